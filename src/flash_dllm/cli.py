@@ -1,0 +1,185 @@
+"""The `flash-dllm` command: generate, info, bench."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from .sampling_params import METHODS, REMASKING, SamplingParams
+
+
+def add_model_args(parser: argparse.ArgumentParser):
+    parser.add_argument("--model", default=None,
+                        help="checkpoint directory, or random:PRESET (default: the embedded model)")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    parser.add_argument("--dtype", default=None, help="bfloat16, float16 or float32 (default: bf16 on GPU)")
+
+
+def add_sampling_args(parser: argparse.ArgumentParser):
+    g = parser.add_argument_group("decoding")
+    g.add_argument("--method", default="parallel", choices=METHODS)
+    g.add_argument("--max-tokens", type=int, default=128, help="generation length")
+    g.add_argument("--block-length", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--steps", type=int, help="reference: total denoising steps (default: max-tokens)")
+    g.add_argument("--remasking", choices=REMASKING, help="reference: which positions to unmask")
+    g.add_argument("--cfg-scale", type=float, help="reference: classifier-free guidance scale")
+    g.add_argument("--threshold", type=float, help="parallel: confidence threshold (default 0.9)")
+    g.add_argument("--factor", type=float, help="parallel: use the factor rule with this factor")
+
+
+def sampling_params_from_args(args) -> SamplingParams:
+    return SamplingParams(method=args.method, max_tokens=args.max_tokens, block_length=args.block_length,
+                          temperature=args.temperature, seed=args.seed, steps=args.steps,
+                          remasking=args.remasking, cfg_scale=args.cfg_scale, threshold=args.threshold,
+                          factor=args.factor)
+
+
+def read_prompts(args) -> list:
+    prompts = list(args.prompts)
+    if args.file:
+        path = Path(args.file)
+        if not path.is_file():
+            raise FileNotFoundError(f"prompt file {path} does not exist")
+        if path.suffix == ".jsonl":  # {"prompt": str} | {"messages": [...]} | {"prompt_token_ids": [...]}
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                if line.strip():
+                    item = json.loads(line)
+                    prompt = next((item[k] for k in ("prompt", "messages", "prompt_token_ids") if k in item), None)
+                    if prompt is None:
+                        raise ValueError(f"{path}:{number}: expected a prompt, messages or prompt_token_ids key")
+                    prompts.append(prompt)
+        else:
+            prompts += [line for line in path.read_text().splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError("no prompts: give them as arguments or with --file")
+    return prompts
+
+
+def cmd_generate(args):
+    from .llm import LLM
+
+    params = sampling_params_from_args(args)
+    prompts = read_prompts(args)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_batch_size=args.batch_size,
+              chat_template=False if args.no_chat_template else None)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
+    wall = time.perf_counter() - start
+    for out in outputs:
+        if args.json:
+            print(json.dumps({"prompt": out.prompt, "text": out.text, "token_ids": out.token_ids,
+                              "finish_reason": out.finish_reason, "nfe": out.nfe, "steps": out.steps}))
+        else:
+            print(f"--- request {out.request_id} ({out.finish_reason}, {len(out.token_ids)} tokens, "
+                  f"{out.steps} steps, NFE {out.nfe})")
+            print(out.text if out.text is not None else out.token_ids)
+    tokens = sum(len(o.token_ids) for o in outputs)
+    steps = sum(o.steps for o in outputs)
+    print(f"{len(outputs)} requests, {tokens} tokens in {wall:.2f} s: {tokens / wall:.1f} tokens/s "
+          f"(no warm-up), NFE {sum(o.nfe for o in outputs) / len(outputs):.1f} per request, "
+          f"{tokens / max(steps, 1):.2f} tokens per step", file=sys.stderr)
+
+
+def cmd_info(args):
+    import torch
+
+    from .config import PRESETS, ModelConfig
+    from .llm import RANDOM_PREFIX, default_model_path
+    from .models import build_model
+
+    spec = args.model or str(default_model_path())
+    if spec.startswith(RANDOM_PREFIX):
+        name = spec[len(RANDOM_PREFIX):]
+        cfg = ModelConfig.from_hf_dict(PRESETS[name]) if name in PRESETS else ModelConfig.from_dir(name)
+    else:
+        cfg = ModelConfig.from_dir(spec)
+    num_params = sum(p.numel() for p in build_model(cfg, "meta", torch.bfloat16).parameters())
+    print(f"model: {spec}")
+    for key, value in vars(cfg).items():
+        print(f"  {key}: {value}")
+    print(f"parameters: {num_params:,} ({num_params * 2 / 1e9:.2f} GB in bf16)")
+    print(f"KV cache per token: {cfg.kv_bytes_per_token:,} bytes (bf16, all layers)")
+
+
+def cmd_bench(args):
+    import torch
+
+    from .bench.forward import bench_forward, format_table, markdown_table
+    from .bench.step import bench_step
+    from .llm import LLM
+
+    llm = LLM(args.model, device=args.device, dtype=args.dtype)
+    device_name = torch.cuda.get_device_name(llm.device) if llm.device.type == "cuda" else "cpu"
+    print(f"# bench {args.bench}: {args.model} on {device_name}, {llm.dtype}")
+    if args.bench == "forward":
+        results = [bench_forward(llm.model, batch, args.length, rows, iters=args.iters)
+                   for batch in args.batch_sizes
+                   for rows in (None, args.block_length)]  # the reference code's full LM head, then ours
+        print(format_table(results))
+        return
+    params = sampling_params_from_args(args)
+    results = [bench_step(llm, params, batch, args.prompt_length, iters=args.iters) for batch in args.batch_sizes]
+    header = ("method", "batch", "prompt", "gen", "ms/step", "tokens/step/request", "floor ms", "x floor",
+              "tokens/s", "peak GB")
+    print(markdown_table(header, [
+        (r.method, r.batch, r.prompt, r.gen, f"{r.ms_per_step:.2f}", f"{r.tokens_per_step:.2f}",
+         f"{r.floor_ms:.2f}", f"{r.ratio:.2f}", f"{r.batch * r.tokens_per_step / r.ms_per_step * 1e3:.0f}",
+         f"{r.peak_gb:.1f}") for r in results]))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flash-dllm", description="Fast inference for diffusion language models")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for prompts")
+    gen.add_argument("prompts", nargs="*", help="prompt strings")
+    gen.add_argument("--file", help="prompts: a text file (one per line) or .jsonl with prompt/messages/prompt_token_ids")
+    add_model_args(gen)
+    add_sampling_args(gen)
+    gen.add_argument("--batch-size", type=int, default=32, help="most requests decoded together")
+    gen.add_argument("--no-chat-template", action="store_true", help="encode string prompts as raw text")
+    gen.add_argument("--json", action="store_true", help="print one JSON object per request")
+    gen.add_argument("--no-progress", action="store_true")
+    gen.set_defaults(func=cmd_generate)
+
+    info = sub.add_parser("info", help="print a model's configuration, parameter count and KV bytes per token")
+    info.add_argument("--model", default=None)
+    info.set_defaults(func=cmd_info)
+
+    bench = sub.add_parser("bench", help="benchmarks against the roofline floor")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    forward = bench_sub.add_parser("forward", help="one full forward pass per batch size")
+    add_model_args(forward)
+    forward.set_defaults(model="random:llada-8b")
+    forward.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
+    forward.add_argument("--length", type=int, default=512)
+    forward.add_argument("--block-length", type=int, default=32, help="LM-head rows of the engine's variant")
+    forward.add_argument("--iters", type=int, default=10)
+    forward.set_defaults(func=cmd_bench)
+    step = bench_sub.add_parser("step", help="the engine's denoising step per batch size")
+    add_model_args(step)
+    add_sampling_args(step)
+    step.set_defaults(model="random:llada-8b", method="reference")
+    step.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
+    step.add_argument("--prompt-length", type=int, default=256)
+    step.add_argument("--iters", type=int, default=20)
+    step.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"flash-dllm: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

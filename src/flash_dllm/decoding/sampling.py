@@ -1,0 +1,71 @@
+"""Token sampling and confidences, with counter-based random numbers.
+
+The noise for a request depends only on (its seed, its step counter, the generated position, the
+vocabulary index): never on the batch it shares or on the device. So a sampled request decodes to the
+same tokens alone or batched, and the draw needs no generator state (graph-capturable, no host sync).
+"""
+from __future__ import annotations
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+
+
+def _int64(value: int) -> int:
+    """An unsigned 64-bit constant as the signed int64 torch stores."""
+    value &= _MASK64
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_GOLDEN, _MIX1, _MIX2 = _int64(0x9E3779B97F4A7C15), _int64(0xBF58476D1CE4E5B9), _int64(0x94D049BB133111EB)
+_STEP, _COLUMN = _int64(0xD6E8FEB86659FD93), _int64(0xE7037ED1A0B428DB)
+_STREAM = 0xA0761D6478BD642F
+
+
+def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _mix64(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser; int64 products wrap, as the algorithm needs."""
+    z = (z ^ _shift_right(z, 30)) * _MIX1
+    z = (z ^ _shift_right(z, 27)) * _MIX2
+    return z ^ _shift_right(z, 31)
+
+
+def counter_uniform(seed: torch.Tensor, step: torch.Tensor, column: torch.Tensor, stream: int,
+                    vocab_size: int | None = None) -> torch.Tensor:
+    """Uniform float64 numbers in (0, 1).
+
+    seed, step [B]; column [B, n] (generated positions) -> [B, n], or [B, n, vocab_size] if given.
+    """
+    key = seed * _GOLDEN + step * _STEP + _int64(stream * _STREAM)
+    key = _mix64(key[:, None] + column * _COLUMN)
+    if vocab_size is not None:
+        key = key[..., None] + torch.arange(vocab_size, device=key.device) * _GOLDEN
+    bits = _shift_right(_mix64(key), 11)  # the top 53 bits
+    return (bits.double() + 0.5) * 2.0**-53
+
+
+NOISE_STREAM, REMASK_STREAM = 1, 2
+
+
+def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor, step: torch.Tensor,
+                  column: torch.Tensor, sample: bool, mask_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, n, V] -> (tokens [B, n], confidence [B, n] float64 = softmax(logits)[token]).
+
+    With `sample`, tokens are Gumbel-max draws at each row's temperature: argmax(logits + T * g) on float64,
+    which equals LLaDA's argmax(exp(logits) / (-log u)^T); rows with T = 0 stay greedy. The mask token is
+    never a candidate (LLaDA's code could "decode" a position back to a mask); confidences are the
+    unmodified softmax.
+    """
+    logits = logits.double()
+    scores = logits
+    if sample:
+        u = counter_uniform(seed, step, column, NOISE_STREAM, logits.shape[-1])
+        scores = logits - temperature.double()[:, None, None] * torch.log(-torch.log(u))
+    scores = scores.index_fill(-1, torch.tensor([mask_id], device=scores.device), float("-inf"))
+    tokens = scores.argmax(dim=-1)
+    confidence = torch.softmax(logits, dim=-1).gather(-1, tokens[..., None]).squeeze(-1)
+    return tokens, confidence

@@ -1,0 +1,62 @@
+"""The device state of the running batch: one left-padded row per sequence."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..sampling_params import SamplingParams
+from .sequence import Sequence
+
+
+@dataclass
+class DecodeBatch:
+    seqs: list[Sequence]
+    params: SamplingParams        # settings the rows share (equal batch_key)
+    tokens: torch.Tensor          # [B, W] pad | prompt | generated or mask; every row ends at column W
+    attention_mask: torch.Tensor  # [B, W] True on real (non-pad) tokens
+    positions: torch.Tensor       # [B, W] RoPE positions, 0 at each row's first real token
+    block_index: torch.Tensor     # [B] current block within the generated region
+    step_in_block: torch.Tensor   # [B]
+    steps: torch.Tensor           # [B] denoising steps so far (also the sampling noise counter)
+    nfe: torch.Tensor             # [B] forward passes so far
+    temperature: torch.Tensor     # [B]
+    seed: torch.Tensor            # [B]
+    rule_value: torch.Tensor      # [B] float64: confidence threshold or factor (parallel)
+    is_sampling: bool             # some row has temperature > 0
+
+    @property
+    def gen_start(self) -> int:
+        return self.tokens.shape[1] - self.params.max_tokens
+
+    @classmethod
+    def build(cls, seqs: list[Sequence], pad_id: int, device: torch.device) -> DecodeBatch:
+        """Stack the sequences' tokens and counters into padded batch tensors (on membership changes only)."""
+        lengths = torch.tensor([seq.length for seq in seqs], device=device)
+        width = max(seq.length for seq in seqs)
+        tokens = torch.full((len(seqs), width), pad_id, dtype=torch.long, device=device)
+        for row, seq in enumerate(seqs):
+            tokens[row, width - seq.length:] = seq.tokens
+        attention_mask = torch.arange(width, device=device) >= (width - lengths)[:, None]
+        positions = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+        block_index, step_in_block, steps, nfe = torch.stack([seq.counters for seq in seqs]).unbind(1)
+        params = seqs[0].params
+        rule = [s.params.factor if s.params.factor is not None else s.params.confidence_threshold for s in seqs]
+        return cls(
+            seqs=seqs, params=params, tokens=tokens, attention_mask=attention_mask, positions=positions,
+            block_index=block_index, step_in_block=step_in_block, steps=steps, nfe=nfe,
+            temperature=torch.tensor([s.params.temperature for s in seqs], device=device),
+            seed=torch.tensor([s.params.seed for s in seqs], device=device),
+            rule_value=torch.tensor(rule, dtype=torch.float64, device=device),
+            is_sampling=any(s.params.temperature > 0 for s in seqs),
+        )
+
+    def unpack(self):
+        """Hand each row's state back to its sequence before the batch is rebuilt."""
+        counters = torch.stack([self.block_index, self.step_in_block, self.steps, self.nfe], dim=1)
+        width = self.tokens.shape[1]
+        for row, seq in enumerate(self.seqs):
+            if seq.is_finished:
+                continue
+            seq.tokens = self.tokens[row, width - seq.length:].clone()
+            seq.counters = counters[row].clone()

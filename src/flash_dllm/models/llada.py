@@ -1,0 +1,141 @@
+"""LLaDA in plain PyTorch: OLMo-style Llama blocks with bidirectional attention and an untied LM head.
+
+Module names follow the checkpoint (`model.transformer.blocks.{i}.attn_out.weight`, ...) except that
+q/k/v and gate/up are packed into one matrix each, so that each is a single matmul;
+`checkpoint_layout` says which rows of which parameter every checkpoint tensor fills.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32, cast back, then scale: the order of LLaDA's reference implementation.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class PackedLinear(nn.Linear):
+    """A linear layer whose output rows are several checkpoint matrices stacked (q|k|v or gate|up)."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool):
+        super().__init__(in_features, sum(output_sizes), bias=bias)
+        self.output_sizes = output_sizes
+
+    def rows(self, shard: int) -> slice:
+        start = sum(self.output_sizes[:shard])
+        return slice(start, start + self.output_sizes[shard])
+
+
+def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [B, L] -> cos, sin [B, L, head_dim] in fp32 (rotate-half layout)."""
+    exponent = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim
+    inv_freq = 1.0 / (theta ** exponent)
+    freqs = positions.float()[..., None] * inv_freq
+    angles = torch.cat([freqs, freqs], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, L, H, D]; cos, sin [B, L, D]. Rotation in fp32, result in x's dtype."""
+    x32 = x.float()
+    x1, x2 = x32.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x32 * cos[:, :, None] + rotated * sin[:, :, None]).to(x.dtype)
+
+
+class LLaDABlock(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.qkv_proj = PackedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=cfg.qkv_bias)
+        self.attn_out = nn.Linear(q_size, cfg.hidden_size, bias=cfg.linear_bias)
+        self.ff_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.gate_up_proj = PackedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=cfg.linear_bias)
+        self.ff_out = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.linear_bias)
+
+    def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  attn_mask: torch.Tensor | None) -> torch.Tensor:
+        B, L, _ = x.shape
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
+        q = apply_rotary(q.view(B, L, self.num_heads, self.head_dim), cos, sin).transpose(1, 2)
+        k = apply_rotary(k.view(B, L, self.num_kv_heads, self.head_dim), cos, sin).transpose(1, 2)
+        v = v.view(B, L, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.num_kv_heads != self.num_heads:  # GQA: kv head j serves query heads j*g .. j*g+g-1
+            group = self.num_heads // self.num_kv_heads
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # bidirectional
+        return self.attn_out(out.transpose(1, 2).reshape(B, L, -1))
+
+    def forward(self, x, cos, sin, attn_mask):
+        x = x + self.attention(self.attn_norm(x), cos, sin, attn_mask)
+        gate, up = self.gate_up_proj(self.ff_norm(x)).chunk(2, dim=-1)
+        return x + self.ff_out(F.silu(gate) * up)
+
+
+class LLaDAModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.transformer = nn.ModuleDict({
+            "wte": nn.Embedding(cfg.vocab_size, cfg.hidden_size),
+            "blocks": nn.ModuleList(LLaDABlock(cfg) for _ in range(cfg.num_layers)),
+            "ln_f": RMSNorm(cfg.hidden_size, cfg.rms_norm_eps),
+        })
+        if not cfg.tie_word_embeddings:
+            self.transformer["ff_out"] = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=cfg.linear_bias)
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                      attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [B, L] -> final-normed hidden states [B, L, d].
+
+        positions [B, L] are the RoPE positions (default 0..L-1); attention_mask [B, L] is True for the
+        keys a row may attend to (False for padding).
+        """
+        B, L = input_ids.shape
+        if positions is None:
+            positions = torch.arange(L, device=input_ids.device).expand(B, L)
+        cos, sin = rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
+        attn_mask = None if attention_mask is None else attention_mask[:, None, None, :]
+        x = self.transformer["wte"](input_ids)
+        for block in self.transformer["blocks"]:
+            x = block(x, cos, sin, attn_mask)
+        return self.transformer["ln_f"](x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., d] -> logits [..., V]; called only on the rows whose logits are used."""
+        head = self.transformer["wte"] if self.config.tie_word_embeddings else self.transformer["ff_out"]
+        return F.linear(hidden, head.weight, getattr(head, "bias", None))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [B, L] -> logits [B, L, V] under full bidirectional attention."""
+        return self.compute_logits(self.hidden_states(input_ids, positions, attention_mask))
+
+    def checkpoint_layout(self) -> dict[str, tuple[str, slice | None]]:
+        """Checkpoint tensor name -> (parameter name, rows of that parameter it fills, or None for all)."""
+        layout: dict[str, tuple[str, slice | None]] = {}
+        packed = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("ff_proj", "up_proj")}
+        for param_name, _ in self.named_parameters():
+            module_name, _, kind = param_name.rpartition(".")
+            parent, _, leaf = module_name.rpartition(".")
+            if leaf in packed:
+                module = self.get_submodule(module_name)
+                for shard, ckpt_leaf in enumerate(packed[leaf]):
+                    layout[f"model.{parent}.{ckpt_leaf}.{kind}"] = (param_name, module.rows(shard))
+            else:
+                layout[f"model.{param_name}"] = (param_name, None)
+        return layout

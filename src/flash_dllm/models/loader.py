@@ -1,0 +1,139 @@
+"""Checkpoint I/O: stream Hugging Face safetensors (sharded or single) into a model, save in the same
+format, or fill a model of a named configuration with random weights directly on its device."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from ..config import PRESETS, ModelConfig, read_config_json
+from .llada import LLaDAModel, RMSNorm
+
+MODEL_CLASSES: dict[str, type[nn.Module]] = {"llada": LLaDAModel}
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+def build_model(cfg: ModelConfig, device: str | torch.device, dtype: torch.dtype) -> nn.Module:
+    """An uninitialised model, allocated once, directly on `device` in `dtype`."""
+    with torch.device("meta"):
+        model = MODEL_CLASSES[cfg.architecture](cfg)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    return model.eval().requires_grad_(False)
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Load a checkpoint directory (config.json + safetensors) without remote code or downloads.
+
+    Tensors are read one at a time from each shard straight to `device` and cast into the
+    pre-allocated parameters, so host memory never holds a second copy of the model.
+    """
+    path = Path(path)
+    cfg = ModelConfig.from_dir(path)
+    files = weight_files(path)
+    model = build_model(cfg, device, dtype)
+    load_weights(model, files, device)
+    return model
+
+
+def weight_files(path: Path) -> list[Path]:
+    index = path / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{index}: not a valid safetensors index ({e!r})") from None
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        for file in files:
+            if not file.is_file():
+                raise FileNotFoundError(f"{file}: shard listed in {INDEX_FILE} is missing")
+        return files
+    if (path / SINGLE_FILE).is_file():
+        return [path / SINGLE_FILE]
+    raise FileNotFoundError(f"{path}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors checkpoints are supported)")
+
+
+def load_weights(model: nn.Module, files: list[Path], device: str | torch.device):
+    layout = model.checkpoint_layout()
+    params = dict(model.named_parameters())
+    loaded: dict[str, Path] = {}
+    for file in files:
+        try:
+            handle = safe_open(str(file), framework="pt", device=str(device))
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"{file}: cannot read safetensors file ({e})") from None
+        with handle as f:
+            for name in f.keys():
+                if name not in layout:
+                    raise ValueError(f"{file.name}: unexpected tensor {name!r} for this model's config.json")
+                if name in loaded:
+                    raise ValueError(f"{file.name}: tensor {name!r} also appears in {loaded[name].name}")
+                param_name, rows = layout[name]
+                target = params[param_name] if rows is None else params[param_name][rows]
+                shape = tuple(f.get_slice(name).get_shape())
+                if shape != tuple(target.shape):
+                    raise ValueError(f"{file.name}: tensor {name!r} has shape {list(shape)}, "
+                                     f"but config.json implies {list(target.shape)}")
+                tensor = f.get_tensor(name)
+                if not tensor.is_floating_point():
+                    raise ValueError(f"{file.name}: tensor {name!r} has dtype {tensor.dtype}, expected floating point")
+                target.copy_(tensor)
+                loaded[name] = file
+    missing = [name for name in layout if name not in loaded]
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise ValueError(f"checkpoint is missing tensors: {', '.join(missing[:3])}{more}")
+
+
+def random_model(spec: str, device: str | torch.device, dtype: torch.dtype, seed: int = 0,
+                 std: float = 0.02) -> nn.Module:
+    """A model with random weights: `spec` is a preset name (see config.PRESETS) or a directory with a
+    config.json. Weights are drawn directly on `device`."""
+    if spec in PRESETS:
+        cfg = ModelConfig.from_hf_dict(PRESETS[spec])
+    elif Path(spec).is_dir():
+        cfg = ModelConfig.from_dir(spec)
+    else:
+        raise ValueError(f"random:{spec}: not a preset ({', '.join(PRESETS)}) or a directory with config.json")
+    model = build_model(cfg, device, dtype)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if isinstance(module, RMSNorm):
+                param.fill_(1.0)
+            elif name == "bias":
+                param.zero_()
+            else:
+                param.normal_(0.0, std, generator=generator)
+    return model
+
+
+def save_checkpoint(model: nn.Module, path: str | Path, hf_config: dict, num_shards: int = 1,
+                    dtype: torch.dtype | None = None):
+    """Write `model` as a Hugging Face checkpoint directory: config.json plus one model.safetensors or
+    `num_shards` shards with an index, under the checkpoint's own tensor names."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    params = dict(model.named_parameters())
+    tensors = {}
+    for name, (param_name, rows) in model.checkpoint_layout().items():
+        tensor = params[param_name].detach() if rows is None else params[param_name].detach()[rows]
+        tensors[name] = tensor.to(dtype or tensor.dtype, copy=True).contiguous().cpu()
+    (path / "config.json").write_text(json.dumps(hf_config, indent=2))
+    if num_shards == 1:
+        save_file(tensors, str(path / SINGLE_FILE), metadata={"format": "pt"})
+        return
+    names = list(tensors)
+    weight_map = {}
+    for shard in range(num_shards):
+        file = f"model-{shard + 1:05d}-of-{num_shards:05d}.safetensors"
+        part = names[shard * len(names) // num_shards:(shard + 1) * len(names) // num_shards]
+        save_file({n: tensors[n] for n in part}, str(path / file), metadata={"format": "pt"})
+        weight_map.update({n: file for n in part})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (path / INDEX_FILE).write_text(json.dumps(index, indent=2))

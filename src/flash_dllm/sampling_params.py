@@ -1,0 +1,93 @@
+"""Per-request decoding settings."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+METHODS = ("reference", "parallel")
+REMASKING = ("low_confidence", "random")
+
+# Settings that only some methods read; setting one for another method is an error, not a silent no-op.
+_METHOD_ONLY = {"steps": ("reference",), "remasking": ("reference",), "cfg_scale": ("reference",),
+                "threshold": ("parallel",), "factor": ("parallel",)}
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request is decoded.
+
+    method: "reference" (LLaDA's sampler: `steps` denoising steps spread evenly over the blocks, the
+        linear schedule of tokens per step, low-confidence or random remasking, optional classifier-free
+        guidance) or "parallel" (Fast-dLLM: every masked position of the block whose confidence reaches
+        `threshold`, at least one per step; or, with `factor`, the longest confidence-sorted prefix with
+        (n + 1) * (1 - c_n) < factor).
+    max_tokens: generation length G (the number of mask positions appended to the prompt).
+    block_length: semi-autoregressive block size; blocks are decoded left to right.
+    temperature: 0 is greedy; > 0 samples with Gumbel-max noise in float64, reproducible per `seed`.
+    """
+
+    method: str = "parallel"
+    max_tokens: int = 128
+    block_length: int = 32
+    temperature: float = 0.0
+    seed: int = 0
+    steps: int | None = None
+    remasking: str | None = None
+    cfg_scale: float | None = None
+    threshold: float | None = None
+    factor: float | None = None
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+        for name, methods in _METHOD_ONLY.items():
+            if getattr(self, name) is not None and self.method not in methods:
+                raise ValueError(f"{name} applies to method {' or '.join(methods)}, not {self.method!r}")
+        _check(self.max_tokens > 0, f"max_tokens must be positive, got {self.max_tokens}")
+        _check(self.block_length > 0, f"block_length must be positive, got {self.block_length}")
+        _check(self.max_tokens % self.block_length == 0,
+               f"max_tokens ({self.max_tokens}) must be a multiple of block_length ({self.block_length})")
+        _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
+        if self.steps is not None:
+            _check(self.steps > 0 and self.steps % self.num_blocks == 0,
+                   f"steps ({self.steps}) must be a positive multiple of the number of blocks "
+                   f"({self.num_blocks} = max_tokens / block_length)")
+        if self.remasking is not None:
+            _check(self.remasking in REMASKING, f"remasking must be one of {REMASKING}, got {self.remasking!r}")
+        if self.cfg_scale is not None:
+            _check(self.cfg_scale >= 0, f"cfg_scale must be >= 0, got {self.cfg_scale}")
+        if self.threshold is not None and self.factor is not None:
+            raise ValueError("give either threshold or factor, not both")
+        if self.factor is not None:
+            _check(self.factor > 0, f"factor must be positive, got {self.factor}")
+
+    @property
+    def num_blocks(self) -> int:
+        return self.max_tokens // self.block_length
+
+    @property
+    def steps_per_block(self) -> int:
+        """Reference sampler: denoising steps per block (default: one token per step)."""
+        return (self.steps or self.max_tokens) // self.num_blocks
+
+    @property
+    def confidence_threshold(self) -> float:
+        return 0.9 if self.threshold is None else self.threshold
+
+    @property
+    def uses_random_remasking(self) -> bool:
+        return self.remasking == "random"
+
+    @property
+    def guidance(self) -> float:
+        return self.cfg_scale or 0.0
+
+    def batch_key(self) -> tuple:
+        """Requests with equal keys can share a batch; per-row values (temperature, seed, threshold or
+        factor values) may differ inside it."""
+        return (self.method, self.max_tokens, self.block_length, self.steps_per_block,
+                self.uses_random_remasking, self.guidance, self.factor is not None)
+
+
+def _check(condition: bool, message: str):
+    if not condition:
+        raise ValueError(message)

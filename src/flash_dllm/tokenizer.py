@@ -1,0 +1,85 @@
+"""Tokenizer and special token ids, both read from the checkpoint directory."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import ModelConfig
+
+EOT_TOKEN = "<|eot_id|>"  # end of a chat turn in LLaDA's template; its id comes from the tokenizer
+MASK_TOKEN = "<|mdm_mask|>"
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    mask_id: int
+    stop_ids: tuple[int, ...]  # generation ends at the first of these (eos, eot)
+    pad_id: int
+
+
+def load_tokenizer(path: Path | None):
+    """The directory's PreTrainedTokenizerFast (with its chat template), or None without tokenizer.json."""
+    if path is None or not (path / "tokenizer.json").is_file():
+        return None
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(str(path))
+
+
+def special_tokens(cfg: ModelConfig, path: Path | None, tokenizer) -> SpecialTokens:
+    vocab = tokenizer.get_vocab() if tokenizer is not None else {}
+    mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else vocab.get(MASK_TOKEN)
+    if mask_id is None:
+        raise ValueError("no mask token id: config.json has no mask_token_id and the tokenizer has no "
+                         f"{MASK_TOKEN} token")
+    stops = [cfg.eos_token_id, vocab.get(EOT_TOKEN)]
+    if tokenizer is not None:
+        stops.append(tokenizer.eos_token_id)
+    generation_config = path / "generation_config.json" if path is not None else None
+    if generation_config is not None and generation_config.is_file():
+        eos = json.loads(generation_config.read_text()).get("eos_token_id")
+        stops.extend(eos if isinstance(eos, list) else [eos])
+    stop_ids = tuple(sorted({int(i) for i in stops if i is not None}))
+    if not stop_ids:
+        raise ValueError("no eos token id in config.json, generation_config.json or the tokenizer")
+    pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else stop_ids[0]
+    for name, value in (("mask", mask_id), ("pad", pad_id), *(("stop", s) for s in stop_ids)):
+        if not 0 <= value < cfg.vocab_size:
+            raise ValueError(f"{name} token id {value} is outside the vocabulary of {cfg.vocab_size}")
+    return SpecialTokens(mask_id=int(mask_id), stop_ids=stop_ids, pad_id=int(pad_id))
+
+
+# LLaDA's special tokens (in the roles of its tokenizer) and its chat template.
+LLADA_SPECIAL_TOKENS = ("<|startoftext|>", "<|endoftext|>", EOT_TOKEN, MASK_TOKEN,
+                        "<|start_header_id|>", "<|end_header_id|>")
+LLADA_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + "
+    "message['content'] | trim + '<|eot_id|>' %}"
+    "{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}"
+    "{{ content }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+
+
+def train_llada_tokenizer(corpus, vocab_size: int, path: str | Path, model_max_length: int = 4096):
+    """Train a byte-level BPE tokenizer on an iterable of strings and save it in LLaDA's layout
+    (tokenizer.json + tokenizer_config.json with its chat template); special tokens take ids 0-5."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(LLADA_SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(corpus, trainer)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(path / "tokenizer.json"))
+    bos, eos, _, mask = LLADA_SPECIAL_TOKENS[:4]
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos,
+              "pad_token": eos, "mask_token": mask, "add_bos_token": False,
+              "model_max_length": model_max_length, "chat_template": LLADA_CHAT_TEMPLATE}
+    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return tokenizer

@@ -1,0 +1,62 @@
+"""Fixtures: tiny checkpoints in the real Hugging Face LLaDA format (config.json, safetensors shards +
+index, tokenizer.json + tokenizer_config.json), written to a temporary directory."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from flash_dllm.config import PRESETS
+from flash_dllm.models import random_model, save_checkpoint
+from flash_dllm.tokenizer import train_llada_tokenizer
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Tom has 3 apples and buys 4 more. How many apples does he have? 3 + 4 = 7. #### 7",
+    "x = 5\nfor i in range(3):\n    x = x + i\nprint(x)",
+    "The passkey is 48213. Remember it. What is the passkey?",
+] * 20
+
+
+def tiny_config(**overrides) -> dict:
+    """A LLaDA config.json for a model small enough to run many decodes in a test."""
+    return {**PRESETS["llada-tiny"], **overrides}
+
+
+def write_checkpoint(path: Path, config: dict, num_shards: int = 2, with_tokenizer: bool = True,
+                     seed: int = 0, std: float = 0.3) -> Path:
+    """Random weights (std large enough that confidences are far from flat) saved as a checkpoint."""
+    model = random_model(str(_config_dir(path, config)), "cpu", torch.float32, seed=seed, std=std)
+    save_checkpoint(model, path, config, num_shards=num_shards)
+    if with_tokenizer:
+        train_llada_tokenizer(CORPUS, config["vocab_size"], path)
+        (path / "generation_config.json").write_text(json.dumps({"eos_token_id": config["eos_token_id"]}))
+    return path
+
+
+def _config_dir(path: Path, config: dict) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="session")
+def mha_checkpoint(tmp_path_factory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("mha"), tiny_config(n_kv_heads=4))
+
+
+@pytest.fixture(scope="session")
+def gqa_checkpoint(tmp_path_factory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("gqa"), tiny_config(n_kv_heads=2))
+
+
+@pytest.fixture(scope="session")
+def bias_checkpoint(tmp_path_factory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("bias"), tiny_config(include_bias=True), num_shards=1)
+
+
+@pytest.fixture(scope="session", params=["mha", "gqa"])
+def checkpoint(request, mha_checkpoint, gqa_checkpoint) -> Path:
+    return {"mha": mha_checkpoint, "gqa": gqa_checkpoint}[request.param]

@@ -1,0 +1,151 @@
+"""Each decoding method against a plain step-by-step re-implementation of its published algorithm."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flash_dllm import LLM, SamplingParams
+from flash_dllm.decoding.sampling import NOISE_STREAM, REMASK_STREAM, counter_uniform
+
+PROMPTS = ["What is 3 + 4?", "Tom has 3 apples.", "x = 5\nprint(x)", "The passkey is"]
+
+
+@pytest.fixture(scope="module")
+def llm(mha_checkpoint):
+    llm = LLM(str(mha_checkpoint), device="cpu", dtype="float32")
+    # Make eos likely so that early stopping at the first eos/eot is exercised.
+    llm.model.transformer["ff_out"].weight[llm.special.stop_ids[0]] *= 2.5
+    return llm
+
+
+def llada_generate(model, prompt: list[int], params: SamplingParams, mask_id: int) -> list[int]:
+    """LLaDA's reference `generate` (batch 1), written as published: per-block linear schedule, full
+    forward every step, top-k over confidences; Gumbel noise from the engine's counter-based stream."""
+    P, G, bl = len(prompt), params.max_tokens, params.block_length
+    x = torch.full((1, P + G), mask_id, dtype=torch.long)
+    x[0, :P] = torch.tensor(prompt)
+    prompt_index = x != mask_id
+    steps = params.steps_per_block
+    seed, step = torch.tensor([params.seed]), 0
+    for block in range(params.num_blocks):
+        start, end = P + block * bl, P + (block + 1) * bl
+        num_masked = (x[:, start:end] == mask_id).sum(dim=1, keepdim=True)
+        num_transfer = (num_masked // steps).repeat(1, steps)
+        num_transfer[:, :int(num_masked % steps)] += 1
+        for i in range(steps):
+            mask_index = x == mask_id
+            if params.guidance > 0:
+                un_x = x.clone()
+                un_x[prompt_index] = mask_id
+                logits, un_logits = model(torch.cat([x, un_x])).chunk(2)
+                logits = un_logits + (params.guidance + 1) * (logits - un_logits)
+            else:
+                logits = model(x)
+            logits = logits.double()
+            if params.temperature > 0:
+                columns = torch.arange(-P, G)[None]
+                u = counter_uniform(seed, torch.tensor([step]), columns, NOISE_STREAM, logits.shape[-1])
+                scores = logits.exp() / (-torch.log(u)) ** params.temperature
+            else:
+                scores = logits.clone()
+            scores[..., mask_id] = -float("inf")  # the engine never decodes a position to the mask token
+            x0 = torch.argmax(scores, dim=-1)
+            if params.uses_random_remasking:
+                x0_p = counter_uniform(seed, torch.tensor([step]), torch.arange(-P, G)[None], REMASK_STREAM)
+            else:
+                x0_p = torch.gather(torch.softmax(logits, dim=-1), -1, x0[..., None]).squeeze(-1)
+            x0_p[:, end:] = -float("inf")
+            x0 = torch.where(mask_index, x0, x)
+            confidence = torch.where(mask_index, x0_p, -float("inf"))
+            transfer = torch.zeros_like(x0, dtype=torch.bool)
+            _, select = torch.topk(confidence[0], k=int(num_transfer[0, i]))
+            transfer[0, select] = True
+            x[transfer] = x0[transfer]
+            step += 1
+    return x[0, P:].tolist()
+
+
+def fast_dllm_generate(model, prompt: list[int], params: SamplingParams, mask_id: int) -> list[int]:
+    """Fast-dLLM's confidence-aware decoding (batch 1, no cache): per block, until it has no mask, unmask
+    the top-1 plus every position at or above the threshold, or (factor) the rule's prefix."""
+    P, G, bl = len(prompt), params.max_tokens, params.block_length
+    x = torch.full((1, P + G), mask_id, dtype=torch.long)
+    x[0, :P] = torch.tensor(prompt)
+    for block in range(params.num_blocks):
+        end = P + (block + 1) * bl
+        while (x[:, P + block * bl:end] == mask_id).any():
+            mask_index = x == mask_id
+            mask_index[:, end:] = False
+            logits = model(x).double()
+            x0 = logits.index_fill(-1, torch.tensor([mask_id]), -float("inf")).argmax(dim=-1)
+            p = torch.gather(torch.softmax(logits, dim=-1), -1, x0[..., None]).squeeze(-1)
+            confidence = torch.where(mask_index, p, -float("inf"))[0]
+            order = torch.argsort(confidence, descending=True)
+            if params.factor is None:
+                chosen = [order[0].item()] + [j.item() for j in order[1:] if confidence[j] >= params.confidence_threshold]
+            else:
+                count = 1
+                for n in range(1, int(mask_index.sum()) + 1):
+                    if (n + 1) * (1 - confidence[order[n - 1]]) >= params.factor:
+                        break
+                    count = n
+                chosen = order[:count].tolist()
+            x[0, chosen] = x0[0, chosen]
+    return x[0, P:].tolist()
+
+
+def cut_at_stop(tokens: list[int], stop_ids) -> list[int]:
+    stops = [i for i, t in enumerate(tokens) if t in stop_ids]
+    return tokens[:stops[0]] if stops else tokens
+
+
+REFERENCE_CASES = [
+    dict(max_tokens=32, block_length=8),                                  # one token per step
+    dict(max_tokens=32, block_length=8, steps=12),                        # uneven linear schedule
+    dict(max_tokens=24, block_length=24, steps=8, temperature=0.8, seed=7),
+    dict(max_tokens=16, block_length=8, steps=8, remasking="random", seed=3),
+    dict(max_tokens=16, block_length=8, steps=16, cfg_scale=1.5),
+]
+
+
+@pytest.mark.parametrize("case", REFERENCE_CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_reference_matches_llada_sampler(llm, case):
+    params = SamplingParams(method="reference", **case)
+    for prompt in PROMPTS[:3]:
+        ids = llm.encode(prompt)
+        expected = cut_at_stop(llada_generate(llm.model, ids, params, llm.special.mask_id), llm.special.stop_ids)
+        out = llm.generate([ids], params)[0]
+        assert out.token_ids == expected
+        assert out.nfe == out.steps * (2 if params.guidance > 0 else 1)
+
+
+@pytest.mark.parametrize("rule", [dict(threshold=0.6), dict(threshold=0.95), dict(factor=1.0)])
+def test_parallel_matches_fast_dllm(llm, rule):
+    params = SamplingParams(method="parallel", max_tokens=32, block_length=8, **rule)
+    for prompt in PROMPTS:
+        ids = llm.encode(prompt)
+        expected = cut_at_stop(fast_dllm_generate(llm.model, ids, params, llm.special.mask_id), llm.special.stop_ids)
+        assert llm.generate([ids], params)[0].token_ids == expected
+
+
+def test_parallel_above_one_is_one_token_per_step_reference(llm):
+    parallel = SamplingParams(method="parallel", max_tokens=32, block_length=8, threshold=1.01)
+    reference = SamplingParams(method="reference", max_tokens=32, block_length=8, steps=32)
+    for a, b in zip(llm.generate(PROMPTS, parallel), llm.generate(PROMPTS, reference)):
+        assert a.token_ids == b.token_ids
+        assert a.steps == b.steps
+
+
+def test_early_stop_cuts_at_first_stop_token(llm):
+    outs = llm.generate(PROMPTS, SamplingParams(method="reference", max_tokens=64, block_length=16))
+    stopped = [o for o in outs if o.finish_reason == "stop"]
+    assert stopped, "the eos-biased model should stop some requests early"
+    for out in outs:
+        assert not set(out.token_ids) & set(llm.special.stop_ids)
+    # A stopped request takes fewer steps than the 64 a full decode needs.
+    assert all(o.steps < 64 for o in stopped)
+
+
+def test_parallel_decodes_several_tokens_per_step(llm):
+    out = llm.generate(PROMPTS, SamplingParams(method="parallel", max_tokens=32, block_length=32, threshold=0.5))
+    assert sum(len(o.token_ids) for o in out) > sum(o.steps for o in out)

@@ -1,0 +1,48 @@
+"""The `flash-dllm` command line."""
+from __future__ import annotations
+
+import json
+
+from flash_dllm.cli import main
+
+
+def test_generate_prompts_and_file(gqa_checkpoint, tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "What is 3 + 4?"}) + "\n" +
+                       json.dumps({"prompt_token_ids": [0, 5, 6]}) + "\n")
+    code = main(["generate", "Tom has 3 apples.", "--file", str(prompts), "--model", str(gqa_checkpoint),
+                 "--device", "cpu", "--method", "reference", "--max-tokens", "16", "--block-length", "8",
+                 "--steps", "8", "--json", "--no-progress"])
+    captured = capsys.readouterr()
+    assert code == 0
+    lines = [json.loads(line) for line in captured.out.splitlines()]
+    assert [line["prompt"] for line in lines] == ["Tom has 3 apples.", "What is 3 + 4?", [0, 5, 6]]
+    assert all(line["steps"] <= 8 for line in lines)
+    assert "tokens/s" in captured.err and "tokens per step" in captured.err
+
+
+def test_generate_on_embedded_model(capsys):
+    assert main(["generate", "Hello", "--device", "cpu", "--max-tokens", "16", "--block-length", "8"]) == 0
+    assert "--- request 0" in capsys.readouterr().out
+
+
+def test_info(capsys):
+    assert main(["info", "--model", "random:llada-8b"]) == 0
+    out = capsys.readouterr().out
+    assert "parameters: 8,015,581,184" in out and "KV cache per token: 524,288 bytes" in out
+
+
+def test_bench_forward_on_cpu(capsys):
+    assert main(["bench", "forward", "--model", "random:llada-tiny", "--device", "cpu", "--batch-sizes", "1", "2",
+                 "--length", "32", "--block-length", "8", "--iters", "2"]) == 0
+    table = capsys.readouterr().out
+    assert table.count("\n| 2 | 32 |") == 2
+
+
+def test_errors_are_reported_not_raised(tmp_path, capsys):
+    assert main(["generate", "x", "--model", str(tmp_path / "missing"), "--device", "cpu"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["generate", "--device", "cpu"]) == 2
+    assert "no prompts" in capsys.readouterr().err
+    assert main(["generate", "x", "--device", "cpu", "--max-tokens", "0"]) == 2
+    assert "max_tokens must be positive" in capsys.readouterr().err
