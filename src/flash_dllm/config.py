@@ -15,6 +15,7 @@ _LLADA_REQUIRED = {
     "input_emb_norm": False,
     "scale_logits": False,
     "layer_norm_with_affine": True,
+    "alibi": False,
 }
 
 # Named configurations for random-weight models (`random:NAME`), in the checkpoint's own config.json format.
@@ -54,6 +55,7 @@ class ModelConfig:
     rms_norm_eps: float
     qkv_bias: bool
     linear_bias: bool  # biases on every linear layer (include_bias)
+    norm_bias: bool    # biases on the RMSNorms (bias_for_layer_norm, which defaults to include_bias)
     tie_word_embeddings: bool
     mask_token_id: int | None
     eos_token_id: int | None
@@ -107,6 +109,7 @@ class ModelConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
             qkv_bias=include_bias or bool(cfg.get("include_qkv_bias", False)),
             linear_bias=include_bias,
+            norm_bias=include_bias if cfg.get("bias_for_layer_norm") is None else bool(cfg["bias_for_layer_norm"]),
             tie_word_embeddings=bool(cfg.get("weight_tying", False)),
             mask_token_id=cfg.get("mask_token_id"),
             eos_token_id=cfg.get("eos_token_id"),

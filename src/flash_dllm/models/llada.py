@@ -14,16 +14,17 @@ from ..config import ModelConfig
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, bias: bool):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32, cast back, then scale: the order of LLaDA's reference implementation.
         x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        x = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return self.weight * x if self.bias is None else self.weight * x + self.bias
 
 
 class PackedLinear(nn.Linear):
@@ -60,10 +61,10 @@ class LLaDABlock(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_bias)
         self.qkv_proj = PackedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=cfg.qkv_bias)
         self.attn_out = nn.Linear(q_size, cfg.hidden_size, bias=cfg.linear_bias)
-        self.ff_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.ff_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_bias)
         self.gate_up_proj = PackedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=cfg.linear_bias)
         self.ff_out = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.linear_bias)
 
@@ -93,7 +94,7 @@ class LLaDAModel(nn.Module):
         self.transformer = nn.ModuleDict({
             "wte": nn.Embedding(cfg.vocab_size, cfg.hidden_size),
             "blocks": nn.ModuleList(LLaDABlock(cfg) for _ in range(cfg.num_layers)),
-            "ln_f": RMSNorm(cfg.hidden_size, cfg.rms_norm_eps),
+            "ln_f": RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_bias),
         })
         if not cfg.tie_word_embeddings:
             self.transformer["ff_out"] = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=cfg.linear_bias)

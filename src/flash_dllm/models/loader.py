@@ -103,10 +103,10 @@ def random_model(spec: str, device: str | torch.device, dtype: torch.dtype, seed
     generator = torch.Generator(device=device).manual_seed(seed)
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
-            if isinstance(module, RMSNorm):
-                param.fill_(1.0)
-            elif name == "bias":
+            if name == "bias":
                 param.zero_()
+            elif isinstance(module, RMSNorm):
+                param.fill_(1.0)
             else:
                 param.normal_(0.0, std, generator=generator)
     return model
