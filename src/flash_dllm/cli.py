@@ -131,6 +131,39 @@ def cmd_bench(args):
          f"{r.peak_gb:.1f}") for r in results]))
 
 
+# The decoding methods `demo` compares, each with its default settings.
+DEMO_METHODS = {
+    "reference": dict(method="reference"),
+    "parallel": dict(method="parallel", threshold=0.9),
+    "parallel-factor": dict(method="parallel", factor=1.0),
+}
+
+
+def cmd_demo(args):
+    from .bench.forward import markdown_table
+    from .eval.embedded import run_task
+    from .llm import LLM
+    from .tasks import load_test_set
+
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_batch_size=args.batch_size)
+    items = {}
+    for task in args.tasks:
+        test_set = load_test_set(task)
+        if task == "passkey":
+            test_set = [item for item in test_set if item.length == args.passkey_length]
+        items[task] = test_set[:args.items]
+    rows = []
+    for label in args.methods:
+        params = SamplingParams(max_tokens=args.max_tokens, block_length=args.block_length, **DEMO_METHODS[label])
+        for task in args.tasks:
+            r = run_task(llm, task, label, items[task], params)
+            rows.append((label, task + (f"@{args.passkey_length}" if task == "passkey" else ""), r.num_items,
+                         f"{100 * r.accuracy:.1f}", f"{r.nfe:.1f}", f"{r.tokens_per_step:.2f}", f"{r.tokens_per_s:.1f}"))
+            print(f"{label:16s} {rows[-1][1]:13s} accuracy {rows[-1][3]:>5s}%  NFE {rows[-1][4]:>6s}  "
+                  f"tokens/step {rows[-1][5]}  tokens/s {rows[-1][6]}", file=sys.stderr, flush=True)
+    print(markdown_table(("method", "task", "items", "accuracy %", "NFE", "tokens/step", "tokens/s"), rows))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flash-dllm", description="Fast inference for diffusion language models")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -145,6 +178,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object per request")
     gen.add_argument("--no-progress", action="store_true")
     gen.set_defaults(func=cmd_generate)
+
+    demo = sub.add_parser("demo", help="every decoding method on held-out items of the embedded tasks")
+    add_model_args(demo)
+    demo.add_argument("--items", type=int, default=8, help="held-out items per task")
+    demo.add_argument("--tasks", nargs="+", default=["arith", "trace", "passkey"], choices=["arith", "trace", "passkey"])
+    demo.add_argument("--methods", nargs="+", default=list(DEMO_METHODS), choices=list(DEMO_METHODS))
+    demo.add_argument("--passkey-length", type=int, default=512, choices=[256, 512, 1024, 1536, 1900])
+    demo.add_argument("--max-tokens", type=int, default=128)
+    demo.add_argument("--block-length", type=int, default=32)
+    demo.add_argument("--batch-size", type=int, default=32)
+    demo.set_defaults(func=cmd_demo)
 
     info = sub.add_parser("info", help="print a model's configuration, parameter count and KV bytes per token")
     info.add_argument("--model", default=None)

@@ -65,11 +65,13 @@ LLADA_CHAT_TEMPLATE = (
 
 def train_llada_tokenizer(corpus, vocab_size: int, path: str | Path, model_max_length: int = 4096):
     """Train a byte-level BPE tokenizer on an iterable of strings and save it in LLaDA's layout
-    (tokenizer.json + tokenizer_config.json with its chat template); special tokens take ids 0-5."""
+    (tokenizer.json + tokenizer_config.json with its chat template); special tokens take ids 0-5.
+    Digits are always single tokens, so that numbers are spelled the same way everywhere."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                       pre_tokenizers.ByteLevel(add_prefix_space=False)])
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(LLADA_SPECIAL_TOKENS),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)

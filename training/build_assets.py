@@ -1,0 +1,61 @@
+"""Build the embedded model's tokenizer and the task suite's held-out test sets.
+
+    python training/build_assets.py training/tokenizer   # writes the tokenizer files there
+        --test-sets src/flash_dllm/tasks/data           # and the committed test sets there
+
+Test items come from seeds disjoint from training's ("test-*" against "train-*"); training also skips
+any prompt that appears in a test set.
+"""
+import argparse
+import random
+from pathlib import Path
+
+from flash_dllm.tasks import TASKS, generate
+from flash_dllm.tokenizer import train_llada_tokenizer
+
+VOCAB_SIZE = 1024
+CONTEXT = 2048
+ANSWER_TOKENS = 128  # generation length: solution, <|eot_id|>, then <|endoftext|> padding
+TEST_ITEMS = 500
+PASSKEY_TEST_LENGTHS = (256, 512, 1024, 1536, 1900)
+
+
+def corpus(num_items: int):
+    rng = random.Random("tokenizer-corpus")
+    for i in range(num_items):
+        task = TASKS[i % len(TASKS)]
+        item = generate(task, rng, num_tokens=256) if task == "passkey" else generate(task, rng)
+        yield item.prompt
+        yield item.solution
+
+
+def build_test_sets(out: Path, tokenizer):
+    out.mkdir(parents=True, exist_ok=True)
+    count = lambda text: len(tokenizer.encode(text).ids)
+    for task in TASKS:
+        rng = random.Random(f"test-{task}")
+        items, seen = [], set()
+        while len(items) < TEST_ITEMS:
+            if task == "passkey":
+                length = PASSKEY_TEST_LENGTHS[len(items) % len(PASSKEY_TEST_LENGTHS)]
+                item = generate(task, rng, num_tokens=length, count_tokens=count)
+            else:
+                item = generate(task, rng)
+            if item.prompt not in seen and count(item.solution) < ANSWER_TOKENS:
+                seen.add(item.prompt)
+                items.append(item)
+        (out / f"{task}.jsonl").write_text("".join(item.to_json() + "\n" for item in items))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--test-sets", type=Path)
+    args = parser.parse_args()
+    tokenizer = train_llada_tokenizer(corpus(30000), VOCAB_SIZE, args.out, model_max_length=CONTEXT)
+    if args.test_sets:
+        build_test_sets(args.test_sets, tokenizer)
+
+
+if __name__ == "__main__":
+    main()
