@@ -46,3 +46,9 @@ def test_errors_are_reported_not_raised(tmp_path, capsys):
     assert "no prompts" in capsys.readouterr().err
     assert main(["generate", "x", "--device", "cpu", "--max-tokens", "0"]) == 2
     assert "max_tokens must be positive" in capsys.readouterr().err
+
+
+def test_demo(capsys):
+    assert main(["demo", "--device", "cpu", "--items", "2", "--methods", "parallel", "--tasks", "arith", "passkey"]) == 0
+    table = capsys.readouterr().out
+    assert "| parallel | arith | 2 |" in table and "| parallel | passkey@256 | 2 |" in table

@@ -181,10 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="every decoding method on held-out items of the embedded tasks")
     add_model_args(demo)
-    demo.add_argument("--items", type=int, default=8, help="held-out items per task")
+    demo.add_argument("--items", type=int, default=6, help="held-out items per task")
     demo.add_argument("--tasks", nargs="+", default=["arith", "trace", "passkey"], choices=["arith", "trace", "passkey"])
     demo.add_argument("--methods", nargs="+", default=list(DEMO_METHODS), choices=list(DEMO_METHODS))
-    demo.add_argument("--passkey-length", type=int, default=512, choices=[256, 512, 1024, 1536, 1900])
+    demo.add_argument("--passkey-length", type=int, default=256, choices=[256, 512, 1024, 1536, 1900])
     demo.add_argument("--max-tokens", type=int, default=128)
     demo.add_argument("--block-length", type=int, default=32)
     demo.add_argument("--batch-size", type=int, default=32)

@@ -144,8 +144,3 @@ def test_early_stop_cuts_at_first_stop_token(llm):
         assert not set(out.token_ids) & set(llm.special.stop_ids)
     # A stopped request takes fewer steps than the 64 a full decode needs.
     assert all(o.steps < 64 for o in stopped)
-
-
-def test_parallel_decodes_several_tokens_per_step(llm):
-    out = llm.generate(PROMPTS, SamplingParams(method="parallel", max_tokens=32, block_length=32, threshold=0.5))
-    assert sum(len(o.token_ids) for o in out) > sum(o.steps for o in out)
