@@ -79,3 +79,8 @@ def test_scheduler_drains_before_switching_keys():
     assert scheduler.admit([]) == [seqs[1]]               # so the batch drains, then b runs
     assert scheduler.admit([seqs[1]]) == []
     assert scheduler.admit([]) == [seqs[3]]
+
+
+def test_step_without_requests_does_nothing(llm):
+    assert not llm.engine.has_unfinished()
+    assert llm.engine.step() == []

@@ -29,8 +29,8 @@ class StepResult:
 
 def bench_step(llm, params: SamplingParams, batch: int, prompt_length: int, warmup: int = 3,
                iters: int = 20, seed: int = 0) -> StepResult:
-    """Median-free steady-state timing: `iters` consecutive engine steps after `warmup` steps, one
-    synchronisation at the end (each step already syncs once to retire finished rows)."""
+    """Steady-state time per step: `iters` consecutive engine steps after `warmup` steps, timed as one
+    span with a synchronisation at each end (each step already syncs once to retire finished rows)."""
     cfg, engine = llm.config, llm.engine
     generator = torch.Generator().manual_seed(seed)
     prompts = torch.randint(0, cfg.vocab_size, (batch, prompt_length), generator=generator)

@@ -41,6 +41,8 @@ class LLMEngine:
     def step(self) -> list[Sequence]:
         """Run one denoising step over the running batch; return the sequences that finished in it."""
         self._refresh_batch()
+        if self.batch is None:
+            return []
         full_forward_step(self.model, self.batch, self.special.mask_id)
         return self._collect_finished()
 
@@ -59,7 +61,8 @@ class LLMEngine:
             seq.counters = torch.zeros(4, dtype=torch.long, device=self.device)
             seq.status = SequenceStatus.RUNNING
             seq.start_time = time.perf_counter()
-        self.batch = DecodeBatch.build(running + admitted, self.special.pad_id, self.device)
+        rows = running + admitted
+        self.batch = DecodeBatch.build(rows, self.special.pad_id, self.device) if rows else None
 
     def _collect_finished(self) -> list[Sequence]:
         """A row is finished when every position up to its first eos/eot is decoded, or all are."""
