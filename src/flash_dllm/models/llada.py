@@ -10,7 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..cache.block_table import BlockTable
+from ..cache.kv_cache import KVCache
 from ..config import ModelConfig
+from ..kernels.attention import ragged_attention_ref
 
 
 class RMSNorm(nn.Module):
@@ -49,16 +52,17 @@ def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tupl
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, L, H, D]; cos, sin [B, L, D]. Rotation in fp32, result in x's dtype."""
+    """x [..., H, D]; cos, sin [..., D]. Rotation in fp32, result in x's dtype."""
     x32 = x.float()
     x1, x2 = x32.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
-    return (x32 * cos[:, :, None] + rotated * sin[:, :, None]).to(x.dtype)
+    return (x32 * cos.unsqueeze(-2) + rotated * sin.unsqueeze(-2)).to(x.dtype)
 
 
 class LLaDABlock(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
+        self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_bias)
@@ -81,10 +85,28 @@ class LLaDABlock(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # bidirectional
         return self.attn_out(out.transpose(1, 2).reshape(B, L, -1))
 
+    def cached_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, table: BlockTable,
+                         cache: KVCache, key_mass: torch.Tensor | None) -> torch.Tensor:
+        """x [N, d] flat query rows: write their K/V to the cache, attend over each request's cache range."""
+        N = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
+        q = apply_rotary(q.view(N, self.num_heads, self.head_dim), cos, sin)
+        cache.k[self.layer][table.slot_mapping] = apply_rotary(k.view(N, self.num_kv_heads, self.head_dim), cos, sin)
+        cache.v[self.layer][table.slot_mapping] = v.view(N, self.num_kv_heads, self.head_dim)
+        out = ragged_attention_ref(q, cache.k[self.layer], cache.v[self.layer], table, key_mass)
+        return self.attn_out(out.reshape(N, -1))
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(self.ff_norm(x)).chunk(2, dim=-1)
+        return self.ff_out(F.silu(gate) * up)
+
     def forward(self, x, cos, sin, attn_mask):
         x = x + self.attention(self.attn_norm(x), cos, sin, attn_mask)
-        gate, up = self.gate_up_proj(self.ff_norm(x)).chunk(2, dim=-1)
-        return x + self.ff_out(F.silu(gate) * up)
+        return x + self.mlp(x)
+
+    def forward_cached(self, x, cos, sin, table, cache, key_mass):
+        x = x + self.cached_attention(self.attn_norm(x), cos, sin, table, cache, key_mass)
+        return x + self.mlp(x)
 
 
 class LLaDAModel(nn.Module):
@@ -93,7 +115,7 @@ class LLaDAModel(nn.Module):
         self.config = cfg
         self.transformer = nn.ModuleDict({
             "wte": nn.Embedding(cfg.vocab_size, cfg.hidden_size),
-            "blocks": nn.ModuleList(LLaDABlock(cfg) for _ in range(cfg.num_layers)),
+            "blocks": nn.ModuleList(LLaDABlock(cfg, layer) for layer in range(cfg.num_layers)),
             "ln_f": RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_bias),
         })
         if not cfg.tie_word_embeddings:
@@ -114,6 +136,20 @@ class LLaDAModel(nn.Module):
         x = self.transformer["wte"](input_ids)
         for block in self.transformer["blocks"]:
             x = block(x, cos, sin, attn_mask)
+        return self.transformer["ln_f"](x)
+
+    def forward_cached(self, input_ids: torch.Tensor, positions: torch.Tensor, table: BlockTable, cache: KVCache,
+                       key_mass: torch.Tensor | None = None) -> torch.Tensor:
+        """Flat query rows input_ids, positions [N] -> final-normed hidden states [N, d].
+
+        Each layer writes the rows' K/V into `cache` at table.slot_mapping, then every request's rows
+        attend to its whole range of the cache (see BlockTable). With key_mass [B, max_kv], the attention
+        mass of the tracked rows is accumulated over layers and heads.
+        """
+        cos, sin = rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
+        x = self.transformer["wte"](input_ids)
+        for block in self.transformer["blocks"]:
+            x = block.forward_cached(x, cos, sin, table, cache, key_mass)
         return self.transformer["ln_f"](x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

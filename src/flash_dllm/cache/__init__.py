@@ -1,0 +1,3 @@
+from .kv_cache import CacheAllocator, KVCache
+
+__all__ = ["CacheAllocator", "KVCache"]

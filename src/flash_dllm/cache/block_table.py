@@ -1,0 +1,30 @@
+"""One step's schedule for the cached forward: which query rows belong to which request and which KV
+rows each request attends to."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class BlockTable:
+    """Query rows are flat [N], grouped by request: group b is rows cu_seqlens_q[b]:cu_seqlens_q[b+1].
+    Every query row first writes its K/V to cache row slot_mapping[row]; then group b attends to cache
+    rows [kv_start[b], kv_start[b] + kv_len[b]) (its whole sequence, bidirectionally).
+
+    track_rows [N] bool (optional): rows whose softmax attention mass per key is accumulated (the masked
+    queries of Flash-Cache's tracking), into a [B, max_kv] buffer indexed by key offset.
+    """
+
+    cu_seqlens_q: torch.Tensor  # [B + 1]
+    kv_start: torch.Tensor      # [B]
+    kv_len: torch.Tensor        # [B]
+    slot_mapping: torch.Tensor  # [N]
+    max_q: int
+    max_kv: int
+    track_rows: torch.Tensor | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return self.kv_start.shape[0]

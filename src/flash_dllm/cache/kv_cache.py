@@ -1,0 +1,80 @@
+"""The flat KV cache: one pre-allocated buffer per layer for every request, and its allocator.
+
+A request owns a contiguous range of cache rows, one row per position of its sequence (prompt and
+generated region): row = base + position. K is stored after RoPE. Nothing is allocated per step.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import torch
+
+from ..config import ModelConfig
+
+
+class KVCache:
+    """k[layer], v[layer]: [num_rows, kv_heads, head_dim]."""
+
+    def __init__(self, cfg: ModelConfig, num_rows: int, dtype: torch.dtype, device: torch.device | str):
+        if num_rows <= 0:
+            raise ValueError(f"KV cache needs at least one row, got {num_rows}")
+        shape = (num_rows, cfg.num_kv_heads, cfg.head_dim)
+        self.num_rows = num_rows
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+
+    @staticmethod
+    def bytes_per_row(cfg: ModelConfig, dtype: torch.dtype) -> int:
+        return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
+
+    @classmethod
+    def from_budget(cls, cfg: ModelConfig, budget_bytes: int, dtype: torch.dtype, device) -> KVCache:
+        """As many rows as `budget_bytes` holds."""
+        num_rows = budget_bytes // cls.bytes_per_row(cfg, dtype)
+        if num_rows < 1:
+            raise ValueError(f"a KV cache budget of {budget_bytes} bytes holds no token "
+                             f"({cls.bytes_per_row(cfg, dtype)} bytes per token)")
+        return cls(cfg, num_rows, dtype, device)
+
+
+@dataclass
+class _Range:
+    start: int
+    length: int
+
+
+class CacheAllocator:
+    """First-fit allocation of contiguous row ranges; freed ranges merge with their neighbours."""
+
+    def __init__(self, num_rows: int):
+        self.num_rows = num_rows
+        self.free: list[_Range] = [_Range(0, num_rows)]  # sorted by start
+
+    @property
+    def num_free(self) -> int:
+        return sum(r.length for r in self.free)
+
+    def allocate(self, length: int) -> int | None:
+        """Start row of a new range of `length` rows, or None while no free range is long enough."""
+        if length > self.num_rows:
+            raise ValueError(f"a sequence of {length} tokens can never fit in a KV cache of "
+                             f"{self.num_rows} tokens; raise the cache budget or shorten the request")
+        for i, r in enumerate(self.free):
+            if r.length >= length:
+                start = r.start
+                if r.length == length:
+                    del self.free[i]
+                else:
+                    self.free[i] = _Range(r.start + length, r.length - length)
+                return start
+        return None
+
+    def release(self, start: int, length: int):
+        starts = [r.start for r in self.free]
+        i = bisect.bisect_left(starts, start)
+        self.free.insert(i, _Range(start, length))
+        if i + 1 < len(self.free) and start + length == self.free[i + 1].start:  # merge right
+            self.free[i].length += self.free.pop(i + 1).length
+        if i > 0 and self.free[i - 1].start + self.free[i - 1].length == start:  # merge left
+            self.free[i - 1].length += self.free.pop(i).length

@@ -1,0 +1,85 @@
+"""The cached forward: flat query rows, K/V written to the flat cache, ragged attention over each
+request's range, against the padded full forward."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flash_dllm import load_model
+from flash_dllm.cache import CacheAllocator, KVCache
+from flash_dllm.cache.block_table import BlockTable
+
+
+def rel_err(a, b):
+    assert not torch.isnan(a).any()
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def table_for(lengths, starts, bases, counts, track=None):
+    counts_t = torch.tensor(counts)
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), counts_t.cumsum(0)])
+    slots = torch.cat([torch.arange(b + s, b + s + n) for b, s, n in zip(bases, starts, counts)])
+    return BlockTable(cu_seqlens_q=cu, kv_start=torch.tensor(bases), kv_len=torch.tensor(lengths),
+                      slot_mapping=slots, max_q=max(counts), max_kv=max(lengths), track_rows=track)
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    return load_model(checkpoint)
+
+
+def test_full_and_partial_queries_match_padded_forward(model):
+    """Prefill every position of two requests of different lengths, then recompute only a window of
+    each with the rest served from the cache: both equal the full forward of each request alone."""
+    cfg = model.config
+    lengths, bases = [23, 9], [40, 3]  # ranges anywhere in the cache, in any order
+    seqs = [torch.randint(4, cfg.vocab_size, (n,)) for n in lengths]
+    expected = [model.hidden_states(s[None])[0] for s in seqs]
+    cache = KVCache(cfg, 80, torch.float32, "cpu")
+
+    ids, positions = torch.cat(seqs), torch.cat([torch.arange(n) for n in lengths])
+    hidden = model.forward_cached(ids, positions, table_for(lengths, [0, 0], bases, lengths), cache)
+    assert rel_err(hidden, torch.cat(expected)) < 1e-5
+
+    starts, counts = [5, 2], [7, 4]
+    ids = torch.cat([s[a:a + n] for s, a, n in zip(seqs, starts, counts)])
+    positions = torch.cat([torch.arange(a, a + n) for a, n in zip(starts, counts)])
+    hidden = model.forward_cached(ids, positions, table_for(lengths, starts, bases, counts), cache)
+    assert rel_err(hidden, torch.cat([e[a:a + n] for e, a, n in zip(expected, starts, counts)])) < 1e-5
+
+
+def test_key_mass_is_softmax_mass_of_tracked_rows(model):
+    cfg = model.config
+    length = 12
+    ids = torch.randint(4, cfg.vocab_size, (length,))
+    cache = KVCache(cfg, length, torch.float32, "cpu")
+    track = torch.zeros(length, dtype=torch.bool)
+    track[[3, 7]] = True
+    mass = torch.zeros(1, length)
+    table = table_for([length], [0], [0], [length], track)
+    hidden = model.forward_cached(ids, torch.arange(length), table, cache, key_mass=mass)
+    assert rel_err(hidden, model.hidden_states(ids[None])[0]) < 1e-5
+    # each tracked row's probabilities sum to one, per head and layer
+    assert torch.allclose(mass.sum(), torch.tensor(2.0 * cfg.num_heads * cfg.num_layers))
+
+
+def test_allocator_first_fit_and_merge():
+    allocator = CacheAllocator(100)
+    a, b, c = allocator.allocate(30), allocator.allocate(30), allocator.allocate(30)
+    assert (a, b, c) == (0, 30, 60) and allocator.allocate(20) is None
+    allocator.release(b, 30)
+    assert allocator.allocate(20) == 30
+    allocator.release(a, 30)
+    allocator.release(30, 20)
+    allocator.release(c, 30)
+    assert allocator.num_free == 100 and len(allocator.free) == 1
+    with pytest.raises(ValueError, match="can never fit in a KV cache of 100 tokens"):
+        allocator.allocate(101)
+
+
+def test_cache_budget(model):
+    per_row = KVCache.bytes_per_row(model.config, torch.bfloat16)
+    assert per_row == model.config.kv_bytes_per_token
+    assert KVCache.from_budget(model.config, 10 * per_row + 5, torch.bfloat16, "cpu").num_rows == 10
+    with pytest.raises(ValueError, match="holds no token"):
+        KVCache.from_budget(model.config, per_row - 1, torch.bfloat16, "cpu")
