@@ -59,11 +59,13 @@ class LLM:
     model: a checkpoint directory, "random:PRESET" (random weights of a named config, built directly on
         the device), or None for the embedded default model.
     chat_template: apply the tokenizer's chat template to string prompts (default: when it has one).
+    kv_cache_bytes: memory for the KV cache of the cached methods (default: 40% of free GPU memory, or
+        1 GiB on the CPU); a request longer than the cache holds is refused with an error.
     """
 
     def __init__(self, model: str | Path | None = None, device: str | None = None,
                  dtype: str | torch.dtype | None = None, max_batch_size: int = 32,
-                 chat_template: bool | None = None, seed: int = 0):
+                 chat_template: bool | None = None, seed: int = 0, kv_cache_bytes: int | None = None):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(dtype, self.device)
         spec = str(model) if model is not None else str(default_model_path())
@@ -80,7 +82,7 @@ class LLM:
         self.use_chat_template = has_template if chat_template is None else chat_template
         if self.use_chat_template and not has_template:
             raise ValueError("chat_template=True, but the model's tokenizer has no chat template")
-        self.engine = LLMEngine(self.model, self.special, max_batch_size)
+        self.engine = LLMEngine(self.model, self.special, max_batch_size, kv_cache_bytes)
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt: ids as given, messages or (with the chat template on) a string through the
@@ -122,6 +124,8 @@ class LLM:
             if len(ids) + p.max_tokens > self.config.max_position:
                 raise ValueError(f"prompt of {len(ids)} tokens + max_tokens {p.max_tokens} exceeds the model's "
                                  f"maximum sequence length of {self.config.max_position}")
+        for ids, p in zip(encoded, params):
+            self.engine.check_fits(len(ids), p)
         seqs = [self.engine.add_request(ids, p) for ids, p in zip(encoded, params)]
         progress = None
         if use_tqdm:

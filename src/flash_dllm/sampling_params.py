@@ -3,12 +3,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-METHODS = ("reference", "parallel")
+METHODS = ("reference", "parallel", "prefix-cache", "dual-cache")
+CACHED_METHODS = ("prefix-cache", "dual-cache")
+_CONFIDENCE_METHODS = ("parallel", *CACHED_METHODS)
 REMASKING = ("low_confidence", "random")
 
 # Settings that only some methods read; setting one for another method is an error, not a silent no-op.
 _METHOD_ONLY = {"steps": ("reference",), "remasking": ("reference",), "cfg_scale": ("reference",),
-                "threshold": ("parallel",), "factor": ("parallel",)}
+                "threshold": _CONFIDENCE_METHODS, "factor": _CONFIDENCE_METHODS,
+                "refresh_interval": CACHED_METHODS}
 
 
 @dataclass(frozen=True)
@@ -19,7 +22,11 @@ class SamplingParams:
         linear schedule of tokens per step, low-confidence or random remasking, optional classifier-free
         guidance) or "parallel" (Fast-dLLM: every masked position of the block whose confidence reaches
         `threshold`, at least one per step; or, with `factor`, the longest confidence-sorted prefix with
-        (n + 1) * (1 - c_n) < factor).
+        (n + 1) * (1 - c_n) < factor); "prefix-cache" and "dual-cache" (Fast-dLLM's caches, with the
+        parallel rule): a full forward at each block start fills the KV cache; later steps of the block
+        recompute the block and everything after it (prefix) or the block alone (dual) and read the rest
+        from the cache. `refresh_interval` k also recomputes everything every k steps of a block
+        (1 = no reuse, the same tokens as `parallel`).
     max_tokens: generation length G (the number of mask positions appended to the prompt).
     block_length: semi-autoregressive block size; blocks are decoded left to right.
     temperature: 0 is greedy; > 0 samples with Gumbel-max noise in float64, reproducible per `seed`.
@@ -35,6 +42,7 @@ class SamplingParams:
     cfg_scale: float | None = None
     threshold: float | None = None
     factor: float | None = None
+    refresh_interval: int | None = None
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -59,6 +67,8 @@ class SamplingParams:
             raise ValueError("give either threshold or factor, not both")
         if self.factor is not None:
             _check(self.factor > 0, f"factor must be positive, got {self.factor}")
+        if self.refresh_interval is not None:
+            _check(self.refresh_interval > 0, f"refresh_interval must be positive, got {self.refresh_interval}")
 
     @property
     def num_blocks(self) -> int:
@@ -74,6 +84,10 @@ class SamplingParams:
         return 0.9 if self.threshold is None else self.threshold
 
     @property
+    def uses_cache(self) -> bool:
+        return self.method in CACHED_METHODS
+
+    @property
     def uses_random_remasking(self) -> bool:
         return self.remasking == "random"
 
@@ -85,7 +99,7 @@ class SamplingParams:
         """Requests with equal keys can share a batch; per-row values (temperature, seed, threshold or
         factor values) may differ inside it."""
         return (self.method, self.max_tokens, self.block_length, self.steps_per_block,
-                self.uses_random_remasking, self.guidance, self.factor is not None)
+                self.uses_random_remasking, self.guidance, self.factor is not None, self.refresh_interval)
 
 
 def _check(condition: bool, message: str):

@@ -74,11 +74,13 @@ def test_scheduler_drains_before_switching_keys():
     seqs = [Sequence(i, [1], p) for i, p in enumerate([a, b, a, a])]
     for seq in seqs:
         scheduler.add(seq)
-    assert scheduler.admit([]) == [seqs[0], seqs[2]]      # the oldest key, up to the batch size
-    assert scheduler.admit([seqs[0]]) == []               # the oldest waiting (b) has another key
-    assert scheduler.admit([]) == [seqs[1]]               # so the batch drains, then b runs
-    assert scheduler.admit([seqs[1]]) == []
-    assert scheduler.admit([]) == [seqs[3]]
+    admit_all = lambda seq: True
+    assert scheduler.admit([], admit_all) == [seqs[0], seqs[2]]      # the oldest key, up to the batch size
+    assert scheduler.admit([seqs[0]], admit_all) == []               # the oldest waiting (b) has another key
+    assert scheduler.admit([], admit_all) == [seqs[1]]               # so the batch drains, then b runs
+    assert scheduler.admit([seqs[1]], admit_all) == []
+    assert scheduler.admit([], lambda seq: False) == []              # no cache rows for it yet
+    assert scheduler.admit([], admit_all) == [seqs[3]]
 
 
 def test_step_without_requests_does_nothing(llm):

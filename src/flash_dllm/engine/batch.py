@@ -24,6 +24,15 @@ class DecodeBatch:
     seed: torch.Tensor            # [B]
     rule_value: torch.Tensor      # [B] float64: confidence threshold or factor (parallel)
     is_sampling: bool             # some row has temperature > 0
+    cache_base: torch.Tensor | None  # [B] first KV-cache row of each sequence (cached methods)
+
+    @property
+    def host_block_index(self) -> list[int]:
+        return [seq.block_index for seq in self.seqs]
+
+    @property
+    def host_step_in_block(self) -> list[int]:
+        return [seq.step_in_block for seq in self.seqs]
 
     @property
     def gen_start(self) -> int:
@@ -49,6 +58,7 @@ class DecodeBatch:
             seed=torch.tensor([s.params.seed for s in seqs], device=device),
             rule_value=torch.tensor(rule, dtype=torch.float64, device=device),
             is_sampling=any(s.params.temperature > 0 for s in seqs),
+            cache_base=torch.tensor([s.cache_base for s in seqs], device=device) if params.uses_cache else None,
         )
 
     def unpack(self):

@@ -1,7 +1,8 @@
 """The engine: requests in, decoding steps over one running batch, finished sequences out.
 
 Requests may be added at any time; each `step()` first admits waiting requests into free rows, runs one
-denoising step for every row and retires the rows that finished.
+denoising step for every row and retires the rows that finished. The KV cache of the cached methods is
+allocated at the first request that needs it, sized by `kv_cache_bytes`.
 """
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import time
 
 import torch
 
-from ..decoding.full_step import full_forward_step
+from ..cache import CacheAllocator, KVCache
+from ..decoding.step import denoise_step
 from ..sampling_params import SamplingParams
 from ..tokenizer import SpecialTokens
 from .batch import DecodeBatch
@@ -19,19 +21,48 @@ from .sequence import Sequence, SequenceStatus
 
 
 class LLMEngine:
-    def __init__(self, model, special: SpecialTokens, max_batch_size: int = 32):
+    def __init__(self, model, special: SpecialTokens, max_batch_size: int = 32, kv_cache_bytes: int | None = None):
         self.model = model
         self.special = special
-        self.device = next(model.parameters()).device
+        weights = next(model.parameters())
+        self.device, self.dtype = weights.device, weights.dtype
         self.scheduler = Scheduler(max_batch_size)
         self.batch: DecodeBatch | None = None
+        self.kv_cache_bytes = kv_cache_bytes
+        self.cache: KVCache | None = None
+        self.allocator: CacheAllocator | None = None
         self.stop_ids = torch.tensor(special.stop_ids, device=self.device)
         self._request_ids = itertools.count()
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        self.check_fits(len(prompt_ids), params)
         seq = Sequence(next(self._request_ids), list(prompt_ids), params)
         self.scheduler.add(seq)
         return seq
+
+    def check_fits(self, prompt_length: int, params: SamplingParams):
+        """Raise now, not after the queue drains, for a request that the KV cache can never hold."""
+        if params.uses_cache:
+            self._ensure_cache()
+            length = prompt_length + params.max_tokens
+            if length > self.allocator.num_rows:
+                raise ValueError(f"a sequence of {length} tokens can never fit in a KV cache of "
+                                 f"{self.allocator.num_rows} tokens; raise kv_cache_bytes or shorten the request")
+
+    def _ensure_cache(self):
+        if self.cache is not None:
+            return
+        budget = self.kv_cache_bytes
+        if budget is None:  # default: 40% of free GPU memory, or 1 GiB of host memory
+            budget = int(0.4 * torch.cuda.mem_get_info(self.device)[0]) if self.device.type == "cuda" else 1 << 30
+        self.cache = KVCache.from_budget(self.model.config, budget, self.dtype, self.device)
+        self.allocator = CacheAllocator(self.cache.num_rows)
+
+    def _reserve(self, seq: Sequence) -> bool:
+        if not seq.params.uses_cache:
+            return True
+        seq.cache_base = self.allocator.allocate(seq.length)
+        return seq.cache_base is not None
 
     def has_unfinished(self) -> bool:
         running = self.batch is not None and any(not seq.is_finished for seq in self.batch.seqs)
@@ -43,13 +74,13 @@ class LLMEngine:
         self._refresh_batch()
         if self.batch is None:
             return []
-        full_forward_step(self.model, self.batch, self.special.mask_id)
+        denoise_step(self.model, self.batch, self.cache, self.special.mask_id)
         return self._collect_finished()
 
     def _refresh_batch(self):
         """Drop the rows that finished last step and admit waiting requests; rebuild only on a change."""
         running = [seq for seq in self.batch.seqs if not seq.is_finished] if self.batch is not None else []
-        admitted = self.scheduler.admit(running)
+        admitted = self.scheduler.admit(running, self._reserve)
         if self.batch is not None and len(running) == len(self.batch.seqs) and not admitted:
             return
         if self.batch is not None:
@@ -73,10 +104,16 @@ class LLMEngine:
         first_stop = torch.where(torch.isin(generated, self.stop_ids), index, length).amin(dim=1)
         first_mask = torch.where(generated == self.special.mask_id, index, length).amin(dim=1)
         finished = (first_stop < first_mask) | (first_mask == length)
-        rows = finished.nonzero().flatten().tolist()  # the step's one host sync
+        state = torch.stack([finished.long(), batch.block_index, batch.step_in_block]).tolist()  # the one sync
+        for seq, block_index, step_in_block in zip(batch.seqs, state[1], state[2]):
+            seq.block_index, seq.step_in_block = block_index, step_in_block
+        rows = [row for row, is_done in enumerate(state[0]) if is_done]
         if not rows:
             return []
         stops, steps, nfe = (t[rows].tolist() for t in (first_stop, batch.steps, batch.nfe))
         for row, stop, num_steps, num_fwd in zip(rows, stops, steps, nfe):
-            batch.seqs[row].finish(generated[row, :stop].tolist(), stop < length, num_steps, num_fwd)
+            seq = batch.seqs[row]
+            if seq.cache_base is not None:
+                self.allocator.release(seq.cache_base, seq.length)
+            seq.finish(generated[row, :stop].tolist(), stop < length, num_steps, num_fwd)
         return [batch.seqs[row] for row in rows]

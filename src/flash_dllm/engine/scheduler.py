@@ -2,11 +2,13 @@
 
 A batch holds requests with equal `SamplingParams.batch_key()`. New requests of the running batch's key
 join as rows free up, but only while the oldest waiting request has that key too; otherwise the batch
-drains and the oldest request's key runs next, so no request waits forever.
+drains and the oldest request's key runs next, so no request waits forever. A request that needs KV
+cache rows is admitted only when `reserve` finds them; admission stops at the first that does not fit.
 """
 from __future__ import annotations
 
 from collections import deque
+from typing import Callable
 
 from .sequence import Sequence
 
@@ -21,14 +23,17 @@ class Scheduler:
     def add(self, seq: Sequence):
         self.waiting.append(seq)
 
-    def admit(self, running: list[Sequence]) -> list[Sequence]:
+    def admit(self, running: list[Sequence], reserve: Callable[[Sequence], bool]) -> list[Sequence]:
         if not self.waiting:
             return []
         key = (running[0] if running else self.waiting[0]).params.batch_key()
         free = self.max_batch_size - len(running)
         if free <= 0 or self.waiting[0].params.batch_key() != key:
             return []
-        admitted = [seq for seq in self.waiting if seq.params.batch_key() == key][:free]
-        for seq in admitted:
+        admitted = []
+        for seq in [seq for seq in self.waiting if seq.params.batch_key() == key][:free]:
+            if not reserve(seq):
+                break
             self.waiting.remove(seq)
+            admitted.append(seq)
         return admitted

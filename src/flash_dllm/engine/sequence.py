@@ -26,6 +26,10 @@ class Sequence:
     # padding [P + G] and its counters [block_index, step_in_block, steps, nfe].
     tokens: torch.Tensor | None = None
     counters: torch.Tensor | None = None
+    # Host copies of the block phase, refreshed at the engine's one sync per step.
+    block_index: int = 0
+    step_in_block: int = 0
+    cache_base: int | None = None  # first row of the sequence's range in the KV cache
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     steps: int = 0
@@ -45,5 +49,5 @@ class Sequence:
         self.output_ids, self.steps, self.nfe = output_ids, steps, nfe
         self.finish_reason = "stop" if reached_stop else "length"
         self.status = SequenceStatus.FINISHED
-        self.tokens = self.counters = None
+        self.tokens = self.counters = self.cache_base = None
         self.finish_time = time.perf_counter()

@@ -1,0 +1,62 @@
+"""Fast-dLLM's prefix and dual caches: exact with a full refresh every step, close without, batched
+like single requests, and bounded by the KV cache budget."""
+from __future__ import annotations
+
+import pytest
+
+from flash_dllm import LLM, SamplingParams
+from flash_dllm.tasks import is_correct, load_test_set
+
+PROMPTS = ["What is 3 + 4?", "Tom has 3 apples and buys 4 more. How many?", "x", "The passkey is 48213."]
+
+
+@pytest.fixture(scope="module")
+def llm(gqa_checkpoint):
+    llm = LLM(str(gqa_checkpoint), device="cpu", dtype="float32", max_batch_size=3)
+    llm.model.transformer["ff_out"].weight[llm.special.stop_ids[0]] *= 2.5  # some requests stop early
+    return llm
+
+
+@pytest.mark.parametrize("method", ["prefix-cache", "dual-cache"])
+@pytest.mark.parametrize("rule", [dict(threshold=0.7), dict(factor=1.0)])
+def test_full_refresh_equals_no_cache(llm, method, rule):
+    """Recomputing everything every step through the cache gives parallel's tokens exactly, with
+    prompts of different lengths sharing batches and rows refilled."""
+    cached = llm.generate(PROMPTS, SamplingParams(method=method, max_tokens=32, block_length=8,
+                                                  refresh_interval=1, **rule))
+    plain = llm.generate(PROMPTS, SamplingParams(method="parallel", max_tokens=32, block_length=8, **rule))
+    for a, b in zip(cached, plain):
+        assert a.token_ids == b.token_ids and a.steps == b.steps
+
+
+@pytest.mark.parametrize("method", ["prefix-cache", "dual-cache"])
+def test_batched_equals_alone(llm, method):
+    params = SamplingParams(method=method, max_tokens=32, block_length=8, threshold=0.7, temperature=0.7, seed=1)
+    batched = llm.generate(PROMPTS, params)
+    for prompt, out in zip(PROMPTS, batched):
+        assert out.token_ids == llm.generate([prompt], params)[0].token_ids
+
+
+def test_small_cache_queues_requests_and_refuses_what_never_fits(gqa_checkpoint):
+    params = SamplingParams(method="dual-cache", max_tokens=32, block_length=8, threshold=0.7)
+    big = LLM(str(gqa_checkpoint), device="cpu", max_batch_size=4)
+    per_token = 2 * big.config.num_layers * big.config.num_kv_heads * big.config.head_dim * 4
+    small = LLM(str(gqa_checkpoint), device="cpu", max_batch_size=4, kv_cache_bytes=120 * per_token)
+    lengths = [len(small.encode(p)) + 32 for p in PROMPTS]
+    assert max(lengths) <= 120 < sum(lengths)  # one at a time fits, all together do not
+    for a, b in zip(small.generate(PROMPTS, params), big.generate(PROMPTS, params)):
+        assert a.token_ids == b.token_ids
+    assert small.engine.allocator.num_free == 120
+    with pytest.raises(ValueError, match="can never fit in a KV cache of 120 tokens"):
+        small.generate([[5] * 100], params)
+    assert not small.engine.has_unfinished()
+
+
+def test_caches_keep_accuracy_on_the_embedded_model():
+    llm = LLM(device="cpu")
+    items = load_test_set("arith")[:16]
+    accuracy = {}
+    for method in ("parallel", "prefix-cache", "dual-cache"):
+        outs = llm.generate([item.prompt for item in items], SamplingParams(method=method, max_tokens=128))
+        accuracy[method] = sum(is_correct(item, out.text) for item, out in zip(items, outs))
+    assert accuracy["prefix-cache"] >= accuracy["parallel"] - 2 and accuracy["dual-cache"] >= accuracy["parallel"] - 3
