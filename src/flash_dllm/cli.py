@@ -29,13 +29,15 @@ def add_sampling_args(parser: argparse.ArgumentParser):
     g.add_argument("--cfg-scale", type=float, help="reference: classifier-free guidance scale")
     g.add_argument("--threshold", type=float, help="parallel: confidence threshold (default 0.9)")
     g.add_argument("--factor", type=float, help="parallel: use the factor rule with this factor")
+    g.add_argument("--refresh-interval", type=int,
+                   help="prefix-cache, dual-cache: also recompute everything every N steps of a block")
 
 
 def sampling_params_from_args(args) -> SamplingParams:
     return SamplingParams(method=args.method, max_tokens=args.max_tokens, block_length=args.block_length,
                           temperature=args.temperature, seed=args.seed, steps=args.steps,
                           remasking=args.remasking, cfg_scale=args.cfg_scale, threshold=args.threshold,
-                          factor=args.factor)
+                          factor=args.factor, refresh_interval=args.refresh_interval)
 
 
 def read_prompts(args) -> list:
@@ -72,10 +74,11 @@ def cmd_generate(args):
     for out in outputs:
         if args.json:
             print(json.dumps({"prompt": out.prompt, "text": out.text, "token_ids": out.token_ids,
-                              "finish_reason": out.finish_reason, "nfe": out.nfe, "steps": out.steps}))
+                              "finish_reason": out.finish_reason, "nfe": out.nfe, "steps": out.steps,
+                              "query_rows": out.query_rows}))
         else:
             print(f"--- request {out.request_id} ({out.finish_reason}, {len(out.token_ids)} tokens, "
-                  f"{out.steps} steps, NFE {out.nfe})")
+                  f"{out.steps} steps, NFE {out.nfe}, {out.query_rows_per_step:.0f} query rows per step)")
             print(out.text if out.text is not None else out.token_ids)
     tokens = sum(len(o.token_ids) for o in outputs)
     steps = sum(o.steps for o in outputs)
@@ -136,6 +139,8 @@ DEMO_METHODS = {
     "reference": dict(method="reference"),
     "parallel": dict(method="parallel", threshold=0.9),
     "parallel-factor": dict(method="parallel", factor=1.0),
+    "prefix-cache": dict(method="prefix-cache", threshold=0.9),
+    "dual-cache": dict(method="dual-cache", threshold=0.9),
 }
 
 
@@ -158,10 +163,12 @@ def cmd_demo(args):
         for task in args.tasks:
             r = run_task(llm, task, label, items[task], params)
             rows.append((label, task + (f"@{args.passkey_length}" if task == "passkey" else ""), r.num_items,
-                         f"{100 * r.accuracy:.1f}", f"{r.nfe:.1f}", f"{r.tokens_per_step:.2f}", f"{r.tokens_per_s:.1f}"))
+                         f"{100 * r.accuracy:.1f}", f"{r.nfe:.1f}", f"{r.tokens_per_step:.2f}", f"{r.tokens_per_s:.1f}",
+                         f"{r.query_rows_per_step:.0f}"))
             print(f"{label:16s} {rows[-1][1]:13s} accuracy {rows[-1][3]:>5s}%  NFE {rows[-1][4]:>6s}  "
                   f"tokens/step {rows[-1][5]}  tokens/s {rows[-1][6]}", file=sys.stderr, flush=True)
-    print(markdown_table(("method", "task", "items", "accuracy %", "NFE", "tokens/step", "tokens/s"), rows))
+    print(markdown_table(("method", "task", "items", "accuracy %", "NFE", "tokens/step", "tokens/s",
+                          "query rows/step"), rows))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -181,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="every decoding method on held-out items of the embedded tasks")
     add_model_args(demo)
-    demo.add_argument("--items", type=int, default=6, help="held-out items per task")
+    demo.add_argument("--items", type=int, default=5, help="held-out items per task")
     demo.add_argument("--tasks", nargs="+", default=["arith", "trace", "passkey"], choices=["arith", "trace", "passkey"])
     demo.add_argument("--methods", nargs="+", default=list(DEMO_METHODS), choices=list(DEMO_METHODS))
     demo.add_argument("--passkey-length", type=int, default=256, choices=[256, 512, 1024, 1536, 1900])

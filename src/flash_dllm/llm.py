@@ -34,11 +34,16 @@ class RequestOutput:
     finish_reason: str         # "stop" (an eos/eot was generated) or "length"
     nfe: int                   # forward passes
     steps: int                 # denoising steps
+    query_rows: int            # query rows computed over all forward passes (the whole sequence without cache)
     time_s: float              # wall time from admission to finish
 
     @property
     def tokens_per_step(self) -> float:
         return len(self.token_ids) / max(self.steps, 1)
+
+    @property
+    def query_rows_per_step(self) -> float:
+        return self.query_rows / max(self.steps, 1)
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
@@ -145,5 +150,5 @@ class LLM:
         return [RequestOutput(
             request_id=seq.request_id, prompt=prompt, prompt_token_ids=seq.prompt_ids,
             text=self.decode(seq.output_ids), token_ids=seq.output_ids, finish_reason=seq.finish_reason,
-            nfe=seq.nfe, steps=seq.steps, time_s=seq.finish_time - seq.start_time,
+            nfe=seq.nfe, steps=seq.steps, query_rows=seq.query_rows, time_s=seq.finish_time - seq.start_time,
         ) for prompt, seq in zip(prompts, seqs)]

@@ -53,6 +53,8 @@ def query_ranges(batch: DecodeBatch) -> tuple[list[int], list[int], list[int]]:
 def cached_logits(model, batch: DecodeBatch, cache: KVCache) -> torch.Tensor:
     device = batch.tokens.device
     starts, counts, offsets = query_ranges(batch)
+    for seq, count in zip(batch.seqs, counts):
+        seq.query_rows += count
     lengths = [seq.length for seq in batch.seqs]
     as_tensor = lambda values: torch.tensor(values, device=device)
     num_rows = sum(counts)
@@ -78,6 +80,8 @@ def denoise_step(model, batch: DecodeBatch, cache: KVCache | None, mask_id: int)
         logits = cached_logits(model, batch, cache)
     else:
         logits = full_forward_logits(model, batch, columns, mask_id)
+        for seq in batch.seqs:
+            seq.query_rows += seq.length * (2 if params.guidance > 0 else 1)
     block = batch.tokens.gather(1, columns)
     masked = block == mask_id
     candidates, confidence = sample_tokens(logits, batch.temperature, batch.seed, batch.steps, block_offsets,

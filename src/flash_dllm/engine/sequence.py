@@ -30,6 +30,7 @@ class Sequence:
     block_index: int = 0
     step_in_block: int = 0
     cache_base: int | None = None  # first row of the sequence's range in the KV cache
+    query_rows: int = 0  # query rows computed for this sequence over all its forward passes
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     steps: int = 0

@@ -17,6 +17,7 @@ class TaskResult:
     nfe: float              # forward passes per item
     tokens_per_step: float  # generated tokens (up to eos/eot) per denoising step
     tokens_per_s: float     # generated tokens over the wall time of generation, after a warm-up
+    query_rows_per_step: float
 
 
 def run_task(llm, task: str, label: str, items: list[Item], params: SamplingParams) -> TaskResult:
@@ -32,4 +33,5 @@ def run_task(llm, task: str, label: str, items: list[Item], params: SamplingPara
         nfe=sum(out.nfe for out in outputs) / len(outputs),
         tokens_per_step=tokens / max(1, sum(out.steps for out in outputs)),
         tokens_per_s=tokens / wall,
+        query_rows_per_step=sum(out.query_rows for out in outputs) / max(1, sum(out.steps for out in outputs)),
     )
