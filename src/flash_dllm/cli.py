@@ -31,13 +31,16 @@ def add_sampling_args(parser: argparse.ArgumentParser):
     g.add_argument("--factor", type=float, help="parallel: use the factor rule with this factor")
     g.add_argument("--refresh-interval", type=int,
                    help="prefix-cache, dual-cache: also recompute everything every N steps of a block")
+    g.add_argument("--tracking-budget", type=int, help="flash-cache: decoded positions recomputed per step (beta_t, default 80)")
+    g.add_argument("--mask-window", type=int, help="flash-cache: masked positions recomputed per step (beta_m, default 64)")
 
 
 def sampling_params_from_args(args) -> SamplingParams:
     return SamplingParams(method=args.method, max_tokens=args.max_tokens, block_length=args.block_length,
                           temperature=args.temperature, seed=args.seed, steps=args.steps,
                           remasking=args.remasking, cfg_scale=args.cfg_scale, threshold=args.threshold,
-                          factor=args.factor, refresh_interval=args.refresh_interval)
+                          factor=args.factor, refresh_interval=args.refresh_interval,
+                          tracking_budget=args.tracking_budget, mask_window=args.mask_window)
 
 
 def read_prompts(args) -> list:
@@ -141,6 +144,7 @@ DEMO_METHODS = {
     "parallel-factor": dict(method="parallel", factor=1.0),
     "prefix-cache": dict(method="prefix-cache", threshold=0.9),
     "dual-cache": dict(method="dual-cache", threshold=0.9),
+    "flash-cache": dict(method="flash-cache", threshold=0.9),
 }
 
 

@@ -3,15 +3,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-METHODS = ("reference", "parallel", "prefix-cache", "dual-cache")
-CACHED_METHODS = ("prefix-cache", "dual-cache")
+METHODS = ("reference", "parallel", "prefix-cache", "dual-cache", "flash-cache")
+CACHED_METHODS = ("prefix-cache", "dual-cache", "flash-cache")
 _CONFIDENCE_METHODS = ("parallel", *CACHED_METHODS)
 REMASKING = ("low_confidence", "random")
 
 # Settings that only some methods read; setting one for another method is an error, not a silent no-op.
 _METHOD_ONLY = {"steps": ("reference",), "remasking": ("reference",), "cfg_scale": ("reference",),
                 "threshold": _CONFIDENCE_METHODS, "factor": _CONFIDENCE_METHODS,
-                "refresh_interval": CACHED_METHODS}
+                "refresh_interval": ("prefix-cache", "dual-cache"),
+                "tracking_budget": ("flash-cache",), "mask_window": ("flash-cache",)}
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,11 @@ class SamplingParams:
         parallel rule): a full forward at each block start fills the KV cache; later steps of the block
         recompute the block and everything after it (prefix) or the block alone (dual) and read the rest
         from the cache. `refresh_interval` k also recomputes everything every k steps of a block
-        (1 = no reuse, the same tokens as `parallel`).
+        (1 = no reuse, the same tokens as `parallel`). "flash-cache" (selective cache update, with the
+        parallel rule): after one full pass, each step recomputes a fixed-size query set, the
+        `mask_window` (beta_m) leftmost masked positions and `tracking_budget` (beta_t) decoded positions
+        (last step's newly decoded first, then those receiving the most attention from the masked
+        queries); every other position is read from the cache.
     max_tokens: generation length G (the number of mask positions appended to the prompt).
     block_length: semi-autoregressive block size; blocks are decoded left to right.
     temperature: 0 is greedy; > 0 samples with Gumbel-max noise in float64, reproducible per `seed`.
@@ -43,6 +48,8 @@ class SamplingParams:
     threshold: float | None = None
     factor: float | None = None
     refresh_interval: int | None = None
+    tracking_budget: int | None = None
+    mask_window: int | None = None
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -67,6 +74,11 @@ class SamplingParams:
             raise ValueError("give either threshold or factor, not both")
         if self.factor is not None:
             _check(self.factor > 0, f"factor must be positive, got {self.factor}")
+        if self.tracking_budget is not None:
+            _check(self.tracking_budget >= 0, f"tracking_budget must be >= 0, got {self.tracking_budget}")
+        if self.method == "flash-cache":
+            _check(self.window >= self.block_length,
+                   f"mask_window ({self.window}) must cover a block (block_length {self.block_length})")
         if self.refresh_interval is not None:
             _check(self.refresh_interval > 0, f"refresh_interval must be positive, got {self.refresh_interval}")
 
@@ -84,6 +96,16 @@ class SamplingParams:
         return 0.9 if self.threshold is None else self.threshold
 
     @property
+    def window(self) -> int:
+        """Flash-Cache's beta_m."""
+        return 64 if self.mask_window is None else self.mask_window
+
+    @property
+    def tracked(self) -> int:
+        """Flash-Cache's beta_t."""
+        return 80 if self.tracking_budget is None else self.tracking_budget
+
+    @property
     def uses_cache(self) -> bool:
         return self.method in CACHED_METHODS
 
@@ -99,7 +121,8 @@ class SamplingParams:
         """Requests with equal keys can share a batch; per-row values (temperature, seed, threshold or
         factor values) may differ inside it."""
         return (self.method, self.max_tokens, self.block_length, self.steps_per_block,
-                self.uses_random_remasking, self.guidance, self.factor is not None, self.refresh_interval)
+                self.uses_random_remasking, self.guidance, self.factor is not None, self.refresh_interval,
+                self.tracking_budget, self.mask_window)
 
 
 def _check(condition: bool, message: str):

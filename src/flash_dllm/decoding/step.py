@@ -1,5 +1,6 @@
 """One denoising step: logits for each row's current block, from a full forward (`reference`,
-`parallel`) or a cached forward (`prefix-cache`, `dual-cache`), then the method's unmasking rule.
+`parallel`) or a cached forward (`prefix-cache`, `dual-cache`, `flash-cache`), then the method's
+unmasking rule.
 Rows advance together in tensor ops; the only host input is the per-row block phase that the engine
 reads at its one sync per step."""
 from __future__ import annotations
@@ -9,6 +10,7 @@ import torch
 from ..cache.block_table import BlockTable
 from ..cache.kv_cache import KVCache
 from ..engine.batch import DecodeBatch
+from .flash_cache import flash_cache_logits, note_decoded
 from .sampling import REMASK_STREAM, counter_uniform, sample_tokens
 from .transfer import linear_schedule, transfer_factor, transfer_threshold, transfer_top_k
 
@@ -76,7 +78,9 @@ def denoise_step(model, batch: DecodeBatch, cache: KVCache | None, mask_id: int)
     block_offsets = batch.block_index[:, None] * params.block_length + torch.arange(
         params.block_length, device=batch.tokens.device)          # [B, n] within the generated region
     columns = batch.gen_start + block_offsets                      # [B, n] within the row
-    if params.uses_cache:
+    if params.method == "flash-cache":
+        logits = flash_cache_logits(model, batch, cache, columns, mask_id)
+    elif params.uses_cache:
         logits = cached_logits(model, batch, cache)
     else:
         logits = full_forward_logits(model, batch, columns, mask_id)
@@ -98,6 +102,8 @@ def denoise_step(model, batch: DecodeBatch, cache: KVCache | None, mask_id: int)
     else:
         transfer = transfer_threshold(confidence, masked, batch.rule_value)
 
+    if params.method == "flash-cache":
+        note_decoded(batch, columns, transfer)
     block = torch.where(transfer, candidates, block)
     batch.tokens.scatter_(1, columns, block)
     batch.nfe += 2 if params.guidance > 0 else 1

@@ -25,6 +25,7 @@ class DecodeBatch:
     rule_value: torch.Tensor      # [B] float64: confidence threshold or factor (parallel)
     is_sampling: bool             # some row has temperature > 0
     cache_base: torch.Tensor | None  # [B] first KV-cache row of each sequence (cached methods)
+    position_state: dict[str, torch.Tensor]  # method state per position, [B, W] aligned with tokens
 
     @property
     def host_block_index(self) -> list[int]:
@@ -44,8 +45,12 @@ class DecodeBatch:
         lengths = torch.tensor([seq.length for seq in seqs], device=device)
         width = max(seq.length for seq in seqs)
         tokens = torch.full((len(seqs), width), pad_id, dtype=torch.long, device=device)
+        position_state = {name: torch.zeros((len(seqs), width), dtype=value.dtype, device=device)
+                          for name, value in seqs[0].position_state.items()}
         for row, seq in enumerate(seqs):
             tokens[row, width - seq.length:] = seq.tokens
+            for name, value in seq.position_state.items():
+                position_state[name][row, width - seq.length:] = value
         attention_mask = torch.arange(width, device=device) >= (width - lengths)[:, None]
         positions = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
         block_index, step_in_block, steps, nfe = torch.stack([seq.counters for seq in seqs]).unbind(1)
@@ -59,6 +64,7 @@ class DecodeBatch:
             rule_value=torch.tensor(rule, dtype=torch.float64, device=device),
             is_sampling=any(s.params.temperature > 0 for s in seqs),
             cache_base=torch.tensor([s.cache_base for s in seqs], device=device) if params.uses_cache else None,
+            position_state=position_state,
         )
 
     def unpack(self):
@@ -70,3 +76,5 @@ class DecodeBatch:
                 continue
             seq.tokens = self.tokens[row, width - seq.length:].clone()
             seq.counters = counters[row].clone()
+            seq.position_state = {name: value[row, width - seq.length:].clone()
+                                  for name, value in self.position_state.items()}

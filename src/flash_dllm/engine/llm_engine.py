@@ -12,6 +12,7 @@ import time
 import torch
 
 from ..cache import CacheAllocator, KVCache
+from ..decoding.flash_cache import initial_position_state
 from ..decoding.step import denoise_step
 from ..sampling_params import SamplingParams
 from ..tokenizer import SpecialTokens
@@ -90,6 +91,8 @@ class LLMEngine:
             masks = torch.full((seq.params.max_tokens,), self.special.mask_id, device=self.device)
             seq.tokens = torch.cat([prompt, masks])
             seq.counters = torch.zeros(4, dtype=torch.long, device=self.device)
+            if seq.params.method == "flash-cache":
+                seq.position_state = initial_position_state(seq.length, self.device)
             seq.status = SequenceStatus.RUNNING
             seq.start_time = time.perf_counter()
         rows = running + admitted

@@ -26,6 +26,7 @@ class Sequence:
     # padding [P + G] and its counters [block_index, step_in_block, steps, nfe].
     tokens: torch.Tensor | None = None
     counters: torch.Tensor | None = None
+    position_state: dict[str, torch.Tensor] = field(default_factory=dict)  # method state per position [P + G]
     # Host copies of the block phase, refreshed at the engine's one sync per step.
     block_index: int = 0
     step_in_block: int = 0
@@ -51,4 +52,5 @@ class Sequence:
         self.finish_reason = "stop" if reached_stop else "length"
         self.status = SequenceStatus.FINISHED
         self.tokens = self.counters = self.cache_base = None
+        self.position_state = {}
         self.finish_time = time.perf_counter()
