@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from .sampling_params import METHODS, REMASKING, SamplingParams
+from .sampling_params import ACCEPTANCE, METHODS, REMASKING, SamplingParams
 
 
 def add_model_args(parser: argparse.ArgumentParser):
@@ -31,8 +31,12 @@ def add_sampling_args(parser: argparse.ArgumentParser):
     g.add_argument("--factor", type=float, help="parallel: use the factor rule with this factor")
     g.add_argument("--refresh-interval", type=int,
                    help="prefix-cache, dual-cache: also recompute everything every N steps of a block")
-    g.add_argument("--tracking-budget", type=int, help="flash-cache: decoded positions recomputed per step (beta_t, default 80)")
-    g.add_argument("--mask-window", type=int, help="flash-cache: masked positions recomputed per step (beta_m, default 64)")
+    g.add_argument("--tracking-budget", type=int,
+                   help="flash-cache, flash-verify: decoded positions recomputed per step (beta_t, default 80)")
+    g.add_argument("--mask-window", type=int,
+                   help="flash-cache, flash-verify: masked positions recomputed per step (beta_m, default 64)")
+    g.add_argument("--verify-threshold", type=float, help="flash-verify: acceptance threshold gamma (default 0.8)")
+    g.add_argument("--acceptance", choices=ACCEPTANCE, help="flash-verify: sequential (default) or cumprod")
 
 
 def sampling_params_from_args(args) -> SamplingParams:
@@ -40,7 +44,8 @@ def sampling_params_from_args(args) -> SamplingParams:
                           temperature=args.temperature, seed=args.seed, steps=args.steps,
                           remasking=args.remasking, cfg_scale=args.cfg_scale, threshold=args.threshold,
                           factor=args.factor, refresh_interval=args.refresh_interval,
-                          tracking_budget=args.tracking_budget, mask_window=args.mask_window)
+                          tracking_budget=args.tracking_budget, mask_window=args.mask_window,
+                          verify_threshold=args.verify_threshold, acceptance=args.acceptance)
 
 
 def read_prompts(args) -> list:
@@ -145,6 +150,7 @@ DEMO_METHODS = {
     "prefix-cache": dict(method="prefix-cache", threshold=0.9),
     "dual-cache": dict(method="dual-cache", threshold=0.9),
     "flash-cache": dict(method="flash-cache", threshold=0.9),
+    "flash-verify": dict(method="flash-verify", threshold=0.9),
 }
 
 

@@ -3,16 +3,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-METHODS = ("reference", "parallel", "prefix-cache", "dual-cache", "flash-cache")
-CACHED_METHODS = ("prefix-cache", "dual-cache", "flash-cache")
-_CONFIDENCE_METHODS = ("parallel", *CACHED_METHODS)
+METHODS = ("reference", "parallel", "prefix-cache", "dual-cache", "flash-cache", "flash-verify")
+CACHED_METHODS = ("prefix-cache", "dual-cache", "flash-cache", "flash-verify")
+ACCEPTANCE = ("sequential", "cumprod")
 REMASKING = ("low_confidence", "random")
 
 # Settings that only some methods read; setting one for another method is an error, not a silent no-op.
 _METHOD_ONLY = {"steps": ("reference",), "remasking": ("reference",), "cfg_scale": ("reference",),
-                "threshold": _CONFIDENCE_METHODS, "factor": _CONFIDENCE_METHODS,
+                "threshold": ("parallel", *CACHED_METHODS), "factor": ("parallel", "prefix-cache", "dual-cache", "flash-cache"),
                 "refresh_interval": ("prefix-cache", "dual-cache"),
-                "tracking_budget": ("flash-cache",), "mask_window": ("flash-cache",)}
+                "tracking_budget": ("flash-cache", "flash-verify"), "mask_window": ("flash-cache", "flash-verify"),
+                "verify_threshold": ("flash-verify",), "acceptance": ("flash-verify",)}
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,10 @@ class SamplingParams:
         parallel rule): after one full pass, each step recomputes a fixed-size query set, the
         `mask_window` (beta_m) leftmost masked positions and `tracking_budget` (beta_t) decoded positions
         (last step's newly decoded first, then those receiving the most attention from the masked
-        queries); every other position is read from the cache.
+        queries); every other position is read from the cache. "flash-verify": each iteration is a
+        Flash-Cache draft, accepting positions with confidence >= threshold, then one verify pass over the
+        rest with isolated draft and mask views (`verify_threshold` gamma, default 0.8; `acceptance`
+        "sequential" or "cumprod").
     max_tokens: generation length G (the number of mask positions appended to the prompt).
     block_length: semi-autoregressive block size; blocks are decoded left to right.
     temperature: 0 is greedy; > 0 samples with Gumbel-max noise in float64, reproducible per `seed`.
@@ -50,6 +54,8 @@ class SamplingParams:
     refresh_interval: int | None = None
     tracking_budget: int | None = None
     mask_window: int | None = None
+    verify_threshold: float | None = None
+    acceptance: str | None = None
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -76,7 +82,11 @@ class SamplingParams:
             _check(self.factor > 0, f"factor must be positive, got {self.factor}")
         if self.tracking_budget is not None:
             _check(self.tracking_budget >= 0, f"tracking_budget must be >= 0, got {self.tracking_budget}")
-        if self.method == "flash-cache":
+        if self.acceptance is not None:
+            _check(self.acceptance in ACCEPTANCE, f"acceptance must be one of {ACCEPTANCE}, got {self.acceptance!r}")
+        if self.verify_threshold is not None:
+            _check(0 <= self.verify_threshold <= 1, f"verify_threshold must be in [0, 1], got {self.verify_threshold}")
+        if self.method in ("flash-cache", "flash-verify"):
             _check(self.window >= self.block_length,
                    f"mask_window ({self.window}) must cover a block (block_length {self.block_length})")
         if self.refresh_interval is not None:
@@ -106,6 +116,11 @@ class SamplingParams:
         return 80 if self.tracking_budget is None else self.tracking_budget
 
     @property
+    def gamma(self) -> float:
+        """Flash-Verify's acceptance threshold."""
+        return 0.8 if self.verify_threshold is None else self.verify_threshold
+
+    @property
     def uses_cache(self) -> bool:
         return self.method in CACHED_METHODS
 
@@ -122,7 +137,7 @@ class SamplingParams:
         factor values) may differ inside it."""
         return (self.method, self.max_tokens, self.block_length, self.steps_per_block,
                 self.uses_random_remasking, self.guidance, self.factor is not None, self.refresh_interval,
-                self.tracking_budget, self.mask_window)
+                self.tracking_budget, self.mask_window, self.acceptance)
 
 
 def _check(condition: bool, message: str):

@@ -15,6 +15,11 @@ class BlockTable:
 
     track_rows [N] bool (optional): rows whose softmax attention mass per key is accumulated (the masked
     queries of Flash-Cache's tracking), into a [B, max_kv] buffer indexed by key offset.
+
+    A pass with write_cache=False (Flash-Verify's verify pass) leaves the cache untouched: its rows attend
+    to the cache range minus `hidden_keys` [B, max_kv] (positions the pass recomputes) and to the pass's
+    own rows as `self_visibility` [B, max_q, max_q] allows (query row i sees pass row j), both in each
+    request's padded row order.
     """
 
     cu_seqlens_q: torch.Tensor  # [B + 1]
@@ -24,6 +29,9 @@ class BlockTable:
     max_q: int
     max_kv: int
     track_rows: torch.Tensor | None = None
+    write_cache: bool = True
+    hidden_keys: torch.Tensor | None = None
+    self_visibility: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

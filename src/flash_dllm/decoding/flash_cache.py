@@ -47,9 +47,10 @@ def query_priority(batch: DecodeBatch, mask_id: int) -> torch.Tensor:
 
 
 def flash_cache_logits(model, batch: DecodeBatch, cache: KVCache, block_columns: torch.Tensor,
-                       mask_id: int) -> torch.Tensor:
-    """Run the step's query rows through the cached forward; logits [B, n, V] of the block columns
-    (rows of the block that are not queries are decoded positions, whose logits are never used)."""
+                       mask_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the step's query rows through the cached forward. Returns logits [B, n, V] of the block
+    columns (rows of the block that are not queries are decoded positions, whose logits are never used)
+    and the query columns [B, Qmax] (ascending; the batch width where a row has fewer)."""
     device = batch.tokens.device
     counts = query_counts(batch)
     for seq, count in zip(batch.seqs, counts):
@@ -81,7 +82,7 @@ def flash_cache_logits(model, batch: DecodeBatch, cache: KVCache, block_columns:
     flat_of_column = torch.full_like(batch.tokens, -1)
     flat_of_column[rows, columns] = torch.arange(rows.shape[0], device=device)
     block_rows = flat_of_column.gather(1, block_columns).clamp(min=0)
-    return model.compute_logits(hidden[block_rows]).float()
+    return model.compute_logits(hidden[block_rows]).float(), chosen
 
 
 def note_decoded(batch: DecodeBatch, block_columns: torch.Tensor, transfer: torch.Tensor):

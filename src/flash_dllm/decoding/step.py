@@ -11,6 +11,7 @@ from ..cache.block_table import BlockTable
 from ..cache.kv_cache import KVCache
 from ..engine.batch import DecodeBatch
 from .flash_cache import flash_cache_logits, note_decoded
+from .flash_verify import flash_verify_transfer
 from .sampling import REMASK_STREAM, counter_uniform, sample_tokens
 from .transfer import linear_schedule, transfer_factor, transfer_threshold, transfer_top_k
 
@@ -73,36 +74,43 @@ def cached_logits(model, batch: DecodeBatch, cache: KVCache) -> torch.Tensor:
     return model.compute_logits(hidden[block_rows]).float()
 
 
-def denoise_step(model, batch: DecodeBatch, cache: KVCache | None, mask_id: int):
+def block_transfer(model, batch: DecodeBatch, cache: KVCache | None, columns: torch.Tensor,
+                   block_offsets: torch.Tensor, mask_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Candidate tokens [B, n] for the block and which positions to unmask [B, n], by the method's rule."""
     params = batch.params
-    block_offsets = batch.block_index[:, None] * params.block_length + torch.arange(
-        params.block_length, device=batch.tokens.device)          # [B, n] within the generated region
-    columns = batch.gen_start + block_offsets                      # [B, n] within the row
     if params.method == "flash-cache":
-        logits = flash_cache_logits(model, batch, cache, columns, mask_id)
+        logits, _ = flash_cache_logits(model, batch, cache, columns, mask_id)
     elif params.uses_cache:
         logits = cached_logits(model, batch, cache)
     else:
         logits = full_forward_logits(model, batch, columns, mask_id)
         for seq in batch.seqs:
             seq.query_rows += seq.length * (2 if params.guidance > 0 else 1)
-    block = batch.tokens.gather(1, columns)
-    masked = block == mask_id
+    masked = batch.tokens.gather(1, columns) == mask_id
     candidates, confidence = sample_tokens(logits, batch.temperature, batch.seed, batch.steps, block_offsets,
                                            sample=batch.is_sampling, mask_id=mask_id)
     if params.uses_random_remasking:
         confidence = counter_uniform(batch.seed, batch.steps, block_offsets, REMASK_STREAM)
     confidence = confidence.masked_fill(~masked, float("-inf"))
-
     if params.method == "reference":
         k = linear_schedule(params.block_length, params.steps_per_block, batch.step_in_block)
-        transfer = transfer_top_k(confidence, masked, k)
-    elif params.factor is not None:
-        transfer = transfer_factor(confidence, masked, batch.rule_value)
-    else:
-        transfer = transfer_threshold(confidence, masked, batch.rule_value)
+        return candidates, transfer_top_k(confidence, masked, k)
+    if params.factor is not None:
+        return candidates, transfer_factor(confidence, masked, batch.rule_value)
+    return candidates, transfer_threshold(confidence, masked, batch.rule_value)
 
-    if params.method == "flash-cache":
+
+def denoise_step(model, batch: DecodeBatch, cache: KVCache | None, mask_id: int):
+    params = batch.params
+    block_offsets = batch.block_index[:, None] * params.block_length + torch.arange(
+        params.block_length, device=batch.tokens.device)          # [B, n] within the generated region
+    columns = batch.gen_start + block_offsets                      # [B, n] within the row
+    if params.method == "flash-verify":
+        candidates, transfer = flash_verify_transfer(model, batch, cache, columns, block_offsets, mask_id)
+    else:
+        candidates, transfer = block_transfer(model, batch, cache, columns, block_offsets, mask_id)
+    block = batch.tokens.gather(1, columns)
+    if params.method in ("flash-cache", "flash-verify"):
         note_decoded(batch, columns, transfer)
     block = torch.where(transfer, candidates, block)
     batch.tokens.scatter_(1, columns, block)

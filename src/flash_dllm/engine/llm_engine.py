@@ -91,7 +91,7 @@ class LLMEngine:
             masks = torch.full((seq.params.max_tokens,), self.special.mask_id, device=self.device)
             seq.tokens = torch.cat([prompt, masks])
             seq.counters = torch.zeros(4, dtype=torch.long, device=self.device)
-            if seq.params.method == "flash-cache":
+            if seq.params.method in ("flash-cache", "flash-verify"):
                 seq.position_state = initial_position_state(seq.length, self.device)
             seq.status = SequenceStatus.RUNNING
             seq.start_time = time.perf_counter()

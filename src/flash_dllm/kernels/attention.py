@@ -20,24 +20,34 @@ def _padded_index(starts: torch.Tensor, lengths: torch.Tensor, width: int) -> tu
 
 
 def ragged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: BlockTable,
-                         key_mass: torch.Tensor | None = None) -> torch.Tensor:
+                         key_mass: torch.Tensor | None = None, k_new: torch.Tensor | None = None,
+                         v_new: torch.Tensor | None = None) -> torch.Tensor:
     """q [N, H, D]; k_cache, v_cache [rows, Hkv, D] -> out [N, H, D] in q's dtype.
 
     With key_mass [B, max_kv] (fp32), adds for every key the softmax probability it receives, summed over
-    heads and over the query rows marked in table.track_rows.
+    heads and over the query rows marked in table.track_rows. With k_new, v_new [N, Hkv, D] (a pass that
+    does not write the cache), the rows also attend to these keys under table.self_visibility.
     """
-    num_heads, group = q.shape[1], q.shape[1] // k_cache.shape[1]
+    group = q.shape[1] // k_cache.shape[1]
     q_lens = table.cu_seqlens_q[1:] - table.cu_seqlens_q[:-1]
     q_index, q_valid = _padded_index(table.cu_seqlens_q[:-1], q_lens, table.max_q)
+    q_index = q_index.clamp(max=q.shape[0] - 1)  # a request with no rows this pass
     kv_index, kv_valid = _padded_index(table.kv_start, table.kv_len, table.max_kv)
+    expand = lambda t: t.repeat_interleave(group, dim=2).transpose(1, 2)
     qp = q[q_index].transpose(1, 2)                                                  # [B, H, Q, D]
-    kp = k_cache[kv_index].repeat_interleave(group, dim=2).transpose(1, 2)          # [B, H, K, D]
-    vp = v_cache[kv_index].repeat_interleave(group, dim=2).transpose(1, 2)
+    kp, vp = expand(k_cache[kv_index]), expand(v_cache[kv_index])                   # [B, H, K, D]
+    if table.hidden_keys is not None:
+        kv_valid = kv_valid & ~table.hidden_keys
+    mask = kv_valid[:, None, None, :]
+    if k_new is not None:
+        kp, vp = torch.cat([kp, expand(k_new[q_index])], dim=2), torch.cat([vp, expand(v_new[q_index])], dim=2)
+        own = table.self_visibility & q_valid[:, None, :]
+        mask = torch.cat([kv_valid[:, None, :].expand(-1, table.max_q, -1), own], dim=2)[:, None]
     if key_mass is None:
-        out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=kv_valid[:, None, None, :])
+        out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask)
     else:
         scores = torch.einsum("bhqd,bhkd->bhqk", qp.float(), kp.float()) * q.shape[-1] ** -0.5
-        probs = scores.masked_fill(~kv_valid[:, None, None, :], float("-inf")).softmax(dim=-1)
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
         out = torch.einsum("bhqk,bhkd->bhqd", probs, vp.float()).to(q.dtype)
         tracked = q_valid & table.track_rows[q_index]                                # [B, Q]
         key_mass += (probs * tracked[:, None, :, None]).sum(dim=(1, 2))

@@ -87,13 +87,19 @@ class LLaDABlock(nn.Module):
 
     def cached_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, table: BlockTable,
                          cache: KVCache, key_mass: torch.Tensor | None) -> torch.Tensor:
-        """x [N, d] flat query rows: write their K/V to the cache, attend over each request's cache range."""
+        """x [N, d] flat query rows: write their K/V to the cache (unless the table says not to) and attend
+        over each request's cache range."""
         N = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
         q = apply_rotary(q.view(N, self.num_heads, self.head_dim), cos, sin)
-        cache.k[self.layer][table.slot_mapping] = apply_rotary(k.view(N, self.num_kv_heads, self.head_dim), cos, sin)
-        cache.v[self.layer][table.slot_mapping] = v.view(N, self.num_kv_heads, self.head_dim)
-        out = ragged_attention_ref(q, cache.k[self.layer], cache.v[self.layer], table, key_mass)
+        k = apply_rotary(k.view(N, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(N, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = cache.k[self.layer], cache.v[self.layer]
+        if table.write_cache:
+            k_cache[table.slot_mapping], v_cache[table.slot_mapping] = k, v
+            out = ragged_attention_ref(q, k_cache, v_cache, table, key_mass)
+        else:
+            out = ragged_attention_ref(q, k_cache, v_cache, table, key_mass, k_new=k, v_new=v)
         return self.attn_out(out.reshape(N, -1))
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,124 @@
+"""Flash-Verify: self-verified parallel decoding.
+
+One iteration is a draft pass (a Flash-Cache step) and a verify pass. The draft splits the block's masked
+positions into D (confidence >= eps, accepted now) and S (the rest, in descending confidence). The verify
+pass recomputes, without writing the cache, the draft pass's tracked decoded positions and D (the context,
+D with its drafted tokens), a DRAFT view of S (drafted tokens) and a MASK view of S (mask tokens), both
+views at S's positions. Isolation, with i, j ranks in S:
+    context rows see context and mask views, never drafts;
+    draft row i sees context, drafts j <= i and masks j > i;
+    mask row i sees context, drafts j < i and masks j >= i (never its own draft).
+Candidate i is accepted if the mask view's argmax equals its draft and the mask view's confidence is at
+least gamma ("sequential", stop at the first failure), or while the product of the mask views'
+probabilities of the drafts stays at least gamma ("cumprod"). At least one token is decoded per iteration.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..cache.block_table import BlockTable
+from ..cache.kv_cache import KVCache
+from ..engine.batch import DecodeBatch
+from .flash_cache import flash_cache_logits
+from .sampling import sample_tokens
+from .transfer import confidence_ranks
+
+CONTEXT, DRAFT, MASK = 0, 1, 2
+
+
+def verify_visibility(role: torch.Tensor, rank: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """role, rank, valid [B, Q] (pass rows in padded order) -> [B, Q, Q]: query row sees key row."""
+    q_role, k_role = role[:, :, None], role[:, None, :]
+    q_rank, k_rank = rank[:, :, None], rank[:, None, :]
+    sees_context = k_role == CONTEXT
+    sees_mask = (k_role == MASK) & ((q_role == CONTEXT) | ((q_role == DRAFT) & (k_rank > q_rank))
+                                    | ((q_role == MASK) & (k_rank >= q_rank)))
+    sees_draft = (k_role == DRAFT) & (((q_role == DRAFT) & (k_rank <= q_rank)) | ((q_role == MASK) & (k_rank < q_rank)))
+    return (sees_context | sees_mask | sees_draft) & valid[:, None, :]
+
+
+def _compact(keys: torch.Tensor, valid: torch.Tensor, *values: torch.Tensor):
+    """Move each row's valid entries to the front, keeping their order."""
+    order = torch.where(valid, torch.arange(valid.shape[1], device=valid.device), valid.shape[1]).argsort(dim=1)
+    return [t.gather(1, order) for t in (keys, valid, *values)]
+
+
+def flash_verify_transfer(model, batch: DecodeBatch, cache: KVCache, block_columns: torch.Tensor,
+                          block_offsets: torch.Tensor, mask_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One draft + verify iteration -> (candidate tokens [B, n], positions to unmask [B, n])."""
+    params, tokens = batch.params, batch.tokens
+    device, width = tokens.device, tokens.shape[1]
+    logits, draft_queries = flash_cache_logits(model, batch, cache, block_columns, mask_id)
+    block = tokens.gather(1, block_columns)
+    masked = block == mask_id
+    drafts, confidence = sample_tokens(logits, batch.temperature, batch.seed, batch.steps, block_offsets,
+                                       sample=batch.is_sampling, mask_id=mask_id)
+    confidence = confidence.masked_fill(~masked, float("-inf"))
+    accept_now = masked & (confidence >= batch.rule_value[:, None])              # D
+    candidates = masked & ~accept_now                                             # S
+    num_candidates = candidates.sum(dim=1)
+    batch.nfe += (num_candidates > 0).long()  # the verify pass, for the rows that have one
+
+    # Pass rows per request: context (tracked decoded columns of the draft pass, then D), S drafts, S masks.
+    safe_queries = draft_queries.clamp(max=width - 1)
+    tracked = (draft_queries < width) & (tokens.gather(1, safe_queries) != mask_id)
+    rank = confidence_ranks(confidence.masked_fill(~candidates, float("-inf")))   # S first, by confidence
+    s_order = rank.argsort(dim=1)
+    s_columns = block_columns.gather(1, s_order)                                  # [B, n] by rank
+    n = block_columns.shape[1]
+    s_valid = torch.arange(n, device=device) < num_candidates[:, None]
+    by_rank = torch.arange(n, device=device).expand_as(s_columns)
+    columns = torch.cat([safe_queries, block_columns, s_columns, s_columns], dim=1)
+    valid = torch.cat([tracked, accept_now, s_valid, s_valid], dim=1) & (num_candidates > 0)[:, None]
+    ids = torch.cat([tokens.gather(1, safe_queries), torch.where(accept_now, drafts, block),
+                     drafts.gather(1, s_order), torch.full_like(s_columns, mask_id)], dim=1)
+    role = torch.cat([torch.full_like(safe_queries, CONTEXT), torch.full_like(block_columns, CONTEXT),
+                      torch.full_like(s_columns, DRAFT), torch.full_like(s_columns, MASK)], dim=1)
+    ranks = torch.cat([torch.zeros_like(safe_queries), torch.zeros_like(block_columns), by_rank, by_rank], dim=1)
+    slot = torch.arange(valid.shape[1], device=device).expand_as(valid)          # where each entry started
+    columns, valid, ids, role, ranks, slot = _compact(columns, valid, ids, role, ranks, slot)
+    counts = valid.sum(dim=1).tolist()  # the verify pass's shape (a second host sync per iteration)
+    transfer = accept_now
+    if max(counts) > 0:
+        transfer = transfer | _verify(model, batch, cache, counts, columns, valid, ids, role, ranks, slot,
+                                      drafts, s_order, s_valid, candidates, mask_id)
+    stuck = ~transfer.any(dim=1, keepdim=True)                                     # decode at least one
+    return drafts, transfer | (stuck & masked & (confidence_ranks(confidence) == 0))
+
+
+def _verify(model, batch, cache, counts, columns, valid, ids, role, ranks, slot, drafts, s_order, s_valid,
+            candidates, mask_id) -> torch.Tensor:
+    """Run the verify pass; return the accepted candidates [B, n]."""
+    params, device, width = batch.params, columns.device, batch.tokens.shape[1]
+    num_slots = slot.shape[1]
+    max_q = max(counts)
+    columns, valid, ids, role, ranks, slot = (t[:, :max_q] for t in (columns, valid, ids, role, ranks, slot))
+    lengths = torch.tensor([seq.length for seq in batch.seqs], device=device)
+    positions = columns - (width - lengths)[:, None]
+    rows = torch.arange(len(counts), device=device)[:, None].expand_as(positions)
+    recomputed = torch.zeros(len(counts), int(lengths.max()), dtype=torch.bool, device=device)
+    recomputed[rows[valid], positions[valid]] = True
+    counts_t = torch.tensor(counts, device=device)
+    table = BlockTable(
+        cu_seqlens_q=torch.cat([torch.zeros(1, dtype=torch.long, device=device), counts_t.cumsum(0)]),
+        kv_start=batch.cache_base, kv_len=lengths, slot_mapping=(batch.cache_base[:, None] + positions)[valid],
+        max_q=max_q, max_kv=int(lengths.max()), write_cache=False, hidden_keys=recomputed,
+        self_visibility=verify_visibility(role, ranks, valid))
+    for seq, count in zip(batch.seqs, counts):
+        seq.query_rows += count
+    hidden = model.forward_cached(ids[valid], positions[valid], table, cache)
+
+    # The flat row of each pass entry, by where the entry started; S's mask views started at the last n.
+    n = s_order.shape[1]
+    flat_index = torch.full((len(counts), num_slots), -1, dtype=torch.long, device=device)
+    flat_index.scatter_(1, slot, torch.where(valid, valid.flatten().long().cumsum(0).view_as(valid) - 1, -1))
+    mask_rows = flat_index[:, num_slots - n:].clamp(min=0)                        # [B, n] by rank
+    probs = torch.softmax(model.compute_logits(hidden[mask_rows]).double(), dim=-1)
+    mask_choice = probs.index_fill(-1, torch.tensor([mask_id], device=device), -1.0).argmax(dim=-1)
+    draft_by_rank = drafts.gather(1, s_order)
+    if params.acceptance == "cumprod":
+        ok = probs.gather(-1, draft_by_rank[..., None]).squeeze(-1).cumprod(dim=1) >= params.gamma
+    else:
+        ok = (mask_choice == draft_by_rank) & (probs.gather(-1, mask_choice[..., None]).squeeze(-1) >= params.gamma)
+    accepted_by_rank = (ok & s_valid).long().cumprod(dim=1).bool()
+    return torch.zeros_like(candidates).scatter(1, s_order, accepted_by_rank) & candidates
