@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-METHODS = ("reference", "parallel", "prefix-cache", "dual-cache", "flash-cache", "flash-verify")
+METHODS = ("reference", "parallel", "prefix-cache", "dual-cache", "flash-cache", "flash-verify", "lossless")
 CACHED_METHODS = ("prefix-cache", "dual-cache", "flash-cache", "flash-verify")
 ACCEPTANCE = ("sequential", "cumprod")
 REMASKING = ("low_confidence", "random")
@@ -13,7 +13,8 @@ _METHOD_ONLY = {"steps": ("reference",), "remasking": ("reference",), "cfg_scale
                 "threshold": ("parallel", *CACHED_METHODS), "factor": ("parallel", "prefix-cache", "dual-cache", "flash-cache"),
                 "refresh_interval": ("prefix-cache", "dual-cache"),
                 "tracking_budget": ("flash-cache", "flash-verify"), "mask_window": ("flash-cache", "flash-verify"),
-                "verify_threshold": ("flash-verify",), "acceptance": ("flash-verify",)}
+                "verify_threshold": ("flash-verify",), "acceptance": ("flash-verify",),
+                "draft_length": ("lossless",)}
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,9 @@ class SamplingParams:
         queries); every other position is read from the cache. "flash-verify": each iteration is a
         Flash-Cache draft, accepting positions with confidence >= threshold, then one verify pass over the
         rest with isolated draft and mask views (`verify_threshold` gamma, default 0.8; `acceptance`
-        "sequential" or "cumprod").
+        "sequential" or "cumprod"). "lossless": exactly the tokens of `reference` with one token per step,
+        in fewer sequential forward passes: each pass also evaluates `draft_length` (default 4)
+        hypothesised next steps and keeps those the reference rule confirms.
     max_tokens: generation length G (the number of mask positions appended to the prompt).
     block_length: semi-autoregressive block size; blocks are decoded left to right.
     temperature: 0 is greedy; > 0 samples with Gumbel-max noise in float64, reproducible per `seed`.
@@ -56,6 +59,7 @@ class SamplingParams:
     mask_window: int | None = None
     verify_threshold: float | None = None
     acceptance: str | None = None
+    draft_length: int | None = None
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -82,6 +86,9 @@ class SamplingParams:
             _check(self.factor > 0, f"factor must be positive, got {self.factor}")
         if self.tracking_budget is not None:
             _check(self.tracking_budget >= 0, f"tracking_budget must be >= 0, got {self.tracking_budget}")
+        if self.draft_length is not None:
+            _check(0 < self.draft_length <= self.block_length,
+                   f"draft_length must be in [1, block_length], got {self.draft_length}")
         if self.acceptance is not None:
             _check(self.acceptance in ACCEPTANCE, f"acceptance must be one of {ACCEPTANCE}, got {self.acceptance!r}")
         if self.verify_threshold is not None:
@@ -121,6 +128,10 @@ class SamplingParams:
         return 0.8 if self.verify_threshold is None else self.verify_threshold
 
     @property
+    def drafts(self) -> int:
+        return 4 if self.draft_length is None else self.draft_length
+
+    @property
     def uses_cache(self) -> bool:
         return self.method in CACHED_METHODS
 
@@ -137,7 +148,7 @@ class SamplingParams:
         factor values) may differ inside it."""
         return (self.method, self.max_tokens, self.block_length, self.steps_per_block,
                 self.uses_random_remasking, self.guidance, self.factor is not None, self.refresh_interval,
-                self.tracking_budget, self.mask_window, self.acceptance)
+                self.tracking_budget, self.mask_window, self.acceptance, self.draft_length)
 
 
 def _check(condition: bool, message: str):

@@ -12,6 +12,7 @@ from ..cache.kv_cache import KVCache
 from ..engine.batch import DecodeBatch
 from .flash_cache import flash_cache_logits, note_decoded
 from .flash_verify import flash_verify_transfer
+from .lossless import lossless_step
 from .sampling import REMASK_STREAM, counter_uniform, sample_tokens
 from .transfer import linear_schedule, transfer_factor, transfer_threshold, transfer_top_k
 
@@ -102,6 +103,8 @@ def block_transfer(model, batch: DecodeBatch, cache: KVCache | None, columns: to
 
 def denoise_step(model, batch: DecodeBatch, cache: KVCache | None, mask_id: int):
     params = batch.params
+    if params.method == "lossless":
+        return lossless_step(model, batch, mask_id)
     block_offsets = batch.block_index[:, None] * params.block_length + torch.arange(
         params.block_length, device=batch.tokens.device)          # [B, n] within the generated region
     columns = batch.gen_start + block_offsets                      # [B, n] within the row

@@ -13,6 +13,7 @@ import torch
 
 from ..cache import CacheAllocator, KVCache
 from ..decoding.flash_cache import initial_position_state
+from ..decoding.lossless import initial_position_state as lossless_state
 from ..decoding.step import denoise_step
 from ..sampling_params import SamplingParams
 from ..tokenizer import SpecialTokens
@@ -93,6 +94,8 @@ class LLMEngine:
             seq.counters = torch.zeros(4, dtype=torch.long, device=self.device)
             if seq.params.method in ("flash-cache", "flash-verify"):
                 seq.position_state = initial_position_state(seq.length, self.device)
+            elif seq.params.method == "lossless":
+                seq.position_state = lossless_state(seq.length, self.device)
             seq.status = SequenceStatus.RUNNING
             seq.start_time = time.perf_counter()
         rows = running + admitted

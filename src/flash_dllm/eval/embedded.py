@@ -15,23 +15,23 @@ class TaskResult:
     num_items: int
     accuracy: float
     nfe: float              # forward passes per item
-    tokens_per_step: float  # generated tokens (up to eos/eot) per denoising step
-    tokens_per_s: float     # generated tokens over the wall time of generation, after a warm-up
+    tokens_per_step: float  # generated tokens (up to eos/eot) per denoising step (iteration)
     query_rows_per_step: float
+    tokens_per_s: float     # generated tokens over the wall time of generation
 
 
 def run_task(llm, task: str, label: str, items: list[Item], params: SamplingParams) -> TaskResult:
-    prompts = [item.prompt for item in items]
-    llm.generate(prompts[:1], params)  # warm-up: first-call allocations and kernel selection
+    """Decode the items in one call; the caller warms the method up first."""
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
+    outputs = llm.generate([item.prompt for item in items], params)
     wall = time.perf_counter() - start
     tokens = sum(len(out.token_ids) for out in outputs)
+    steps = max(1, sum(out.steps for out in outputs))
     return TaskResult(
         task=task, label=label, num_items=len(items),
         accuracy=sum(is_correct(item, out.text) for item, out in zip(items, outputs)) / len(items),
         nfe=sum(out.nfe for out in outputs) / len(outputs),
-        tokens_per_step=tokens / max(1, sum(out.steps for out in outputs)),
+        tokens_per_step=tokens / steps,
+        query_rows_per_step=sum(out.query_rows for out in outputs) / steps,
         tokens_per_s=tokens / wall,
-        query_rows_per_step=sum(out.query_rows for out in outputs) / max(1, sum(out.steps for out in outputs)),
     )

@@ -1,0 +1,106 @@
+"""Lossless draft-and-verify (FreeDave's idea): the tokens of one-token-per-step `reference` decoding with
+fewer sequential forward passes.
+
+Every iteration runs one batched forward over the current state T_0 = x and the hypothesised states
+T_j = x + d_0 + ... + d_{j-1} (drafts carried from the previous iteration). From each state's logits the
+reference rule gives the true next decision e_j (the most confident masked position of the current block,
+its token drawn with step s + j's noise). While e_j == d_j, state T_{j+1} is exact; with m leading
+matches, e_0 .. e_m are accepted: at least one token per iteration, each exactly as the reference would
+decode it. New drafts come from the last exact state's logits, in the reference's own order (current
+block by confidence, then the next block). Per-position state: `draft_rank` (-1: none), `draft_token`.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..engine.batch import DecodeBatch
+from .sampling import NOISE_STREAM, counter_uniform, sample_tokens
+from .transfer import confidence_ranks
+
+
+def initial_position_state(length: int, device) -> dict[str, torch.Tensor]:
+    return {"draft_rank": torch.full((length,), -1, dtype=torch.long, device=device),
+            "draft_token": torch.zeros(length, dtype=torch.long, device=device)}
+
+
+def lossless_step(model, batch: DecodeBatch, mask_id: int):
+    params, tokens = batch.params, batch.tokens
+    device, (B, width) = tokens.device, tokens.shape
+    k, n, num_blocks = params.drafts, params.block_length, params.num_blocks
+    rank, draft_token = batch.position_state["draft_rank"], batch.position_state["draft_token"]
+
+    # the carried drafts by rank [B, k]: column, token, valid
+    order = torch.where(rank >= 0, rank, k).argsort(dim=1)[:, :k]
+    draft_valid = rank.gather(1, order) >= 0
+    draft_columns, draft_tokens = order, draft_token.gather(1, order)
+
+    # states T_0 .. T_k (T_j applies drafts 0 .. j-1), computed only where their drafts exist
+    states = [tokens]
+    for j in range(k):
+        applied, take = states[-1].clone(), draft_valid[:, j]
+        applied[take, draft_columns[take, j]] = draft_tokens[take, j]
+        states.append(applied)
+    state_valid = torch.cat([torch.ones(B, 1, dtype=torch.bool, device=device), draft_valid], dim=1)
+    flat = torch.stack(states, dim=1)[state_valid]                                   # [S, W]
+    for seq, num_states in zip(batch.seqs, state_valid.sum(dim=1).tolist()):
+        seq.query_rows += num_states * seq.length
+    row = torch.arange(B, device=device)[:, None].expand(B, k + 1)[state_valid]      # request of each state
+    index = torch.arange(k + 1, device=device).expand(B, k + 1)[state_valid]        # its j
+
+    # logits of each state's current and next block
+    block = batch.block_index.clamp(max=num_blocks - 1)[row]
+    offsets = block[:, None] * n + torch.arange(2 * n, device=device)
+    exists = offsets < params.max_tokens
+    offsets = torch.where(exists, offsets, offsets - n)                              # last block: no next
+    columns = batch.gen_start + offsets
+    hidden = model.hidden_states(flat, batch.positions[row], batch.attention_mask[row])
+    logits = model.compute_logits(hidden.gather(1, columns[..., None].expand(-1, -1, hidden.shape[-1]))).float()
+    candidates, confidence = sample_tokens(logits, batch.temperature[row], batch.seed[row], batch.steps[row] + index,
+                                           offsets, sample=batch.is_sampling, mask_id=mask_id)
+    masked = (flat.gather(1, columns) == mask_id) & exists
+    current = torch.arange(2 * n, device=device) < n
+    in_current = (masked & current).any(dim=1, keepdim=True)
+    confidence = confidence.masked_fill(~(masked & (current == in_current)), float("-inf"))
+
+    # the reference's decision from each state, against the drafts
+    best = confidence.argmax(dim=1, keepdim=True)
+    decision_col = torch.full((B, k + 1), -1, dtype=torch.long, device=device)
+    decision_tok = torch.zeros((B, k + 1), dtype=torch.long, device=device)
+    decided = torch.zeros((B, k + 1), dtype=torch.bool, device=device)
+    decision_col[row, index] = columns.gather(1, best).squeeze(1)
+    decision_tok[row, index] = candidates.gather(1, best).squeeze(1)
+    decided[row, index] = masked.any(dim=1)
+    matches = (decision_col[:, :k] == draft_columns) & (decision_tok[:, :k] == draft_tokens) & draft_valid
+    m = matches.long().cumprod(dim=1).sum(dim=1)                                     # [B] leading matches
+    accepted = (torch.arange(k + 1, device=device) <= m[:, None]) & decided          # e_0 .. e_m
+    for j in range(k + 1):
+        take = accepted[:, j]
+        tokens[take, decision_col[take, j]] = decision_tok[take, j]
+
+    # new drafts from T_m, after its own decision: its current block by confidence, then the next block
+    source = torch.zeros(B, dtype=torch.long, device=device)
+    source[row[index == m[row]]] = torch.nonzero(index == m[row]).squeeze(1)
+    after = masked[source] & (columns[source] != decision_col.gather(1, m[:, None]))
+    priority = torch.where(after, torch.where(current, 2.0, 0.0) + confidence[source].clamp(min=-1.0), float("-inf"))
+    draft_rank = confidence_ranks(priority)
+    chosen = (draft_rank < k) & after
+    num_accepted = accepted.sum(dim=1)
+    new_tokens = candidates[source]
+    if batch.is_sampling:  # each draft's token under the noise of the step it would be decided at
+        steps = batch.steps + num_accepted
+        noise = counter_uniform(batch.seed.repeat_interleave(2 * n), (steps[:, None] + draft_rank).flatten(),
+                                offsets[source].flatten()[:, None], NOISE_STREAM, logits.shape[-1])[:, 0]
+        scores = logits[source].double().flatten(0, 1) - (
+            batch.temperature.repeat_interleave(2 * n)[:, None].double() * torch.log(-torch.log(noise)))
+        scores[:, mask_id] = float("-inf")
+        new_tokens = scores.argmax(dim=-1).view(B, 2 * n)
+    rank.fill_(-1)
+    requests = torch.arange(B, device=device)[:, None].expand_as(chosen)
+    rank[requests[chosen], columns[source][chosen]] = draft_rank[chosen]
+    draft_token[requests[chosen], columns[source][chosen]] = new_tokens[chosen]
+
+    batch.steps += num_accepted
+    batch.nfe += 1
+    still_masked = tokens[:, batch.gen_start:].view(B, num_blocks, n) == mask_id
+    blocks = torch.arange(num_blocks, device=device)
+    batch.block_index = torch.where(still_masked.any(dim=2), blocks, num_blocks).amin(dim=1)

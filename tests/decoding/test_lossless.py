@@ -1,0 +1,39 @@
+"""Lossless draft-and-verify reproduces one-token-per-step `reference` exactly, in fewer passes."""
+from __future__ import annotations
+
+import pytest
+
+from flash_dllm import LLM, SamplingParams
+from flash_dllm.tasks import load_test_set
+
+PROMPTS = ["What is 3 + 4?", "Tom has 3 apples and buys 4 more. How many?", "x", "The passkey is 48213.",
+           "for i in range(3): print(i)", "Zoe has 12 shells."]
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint):
+    llm = LLM(str(checkpoint), device="cpu", dtype="float32", max_batch_size=4)
+    llm.model.transformer["ff_out"].weight[llm.special.stop_ids[0]] *= 2.5
+    return llm
+
+
+@pytest.mark.parametrize("case", [dict(draft_length=1), dict(draft_length=4), dict(draft_length=8),
+                                  dict(draft_length=4, temperature=0.8, seed=3)],
+                         ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_equals_reference_on_random_models(llm, case):
+    common = dict(max_tokens=32, block_length=8, temperature=case.pop("temperature", 0.0), seed=case.pop("seed", 0))
+    reference = llm.generate(PROMPTS, SamplingParams(method="reference", **common))
+    lossless = llm.generate(PROMPTS, SamplingParams(method="lossless", **common, **case))
+    for a, b in zip(lossless, reference):
+        assert a.token_ids == b.token_ids
+        assert a.nfe <= b.nfe
+
+
+def test_equals_reference_with_fewer_passes_on_the_embedded_model():
+    llm = LLM(device="cpu")
+    prompts = [item.prompt for item in load_test_set("arith")[:2] + load_test_set("trace")[:2]]
+    reference = llm.generate(prompts, SamplingParams(method="reference", max_tokens=128, block_length=32))
+    lossless = llm.generate(prompts, SamplingParams(method="lossless", max_tokens=128, block_length=32,
+                                                    draft_length=3))
+    assert [o.token_ids for o in lossless] == [o.token_ids for o in reference]
+    assert sum(o.nfe for o in lossless) < 0.6 * sum(o.nfe for o in reference)
