@@ -46,7 +46,7 @@ def _compact(keys: torch.Tensor, valid: torch.Tensor, *values: torch.Tensor):
 def flash_verify_transfer(model, batch: DecodeBatch, cache: KVCache, block_columns: torch.Tensor,
                           block_offsets: torch.Tensor, mask_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One draft + verify iteration -> (candidate tokens [B, n], positions to unmask [B, n])."""
-    params, tokens = batch.params, batch.tokens
+    tokens = batch.tokens
     device, width = tokens.device, tokens.shape[1]
     logits, draft_queries = flash_cache_logits(model, batch, cache, block_columns, mask_id)
     block = tokens.gather(1, block_columns)
