@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from flash_dllm import LLM
 from flash_dllm.config import PRESETS
 from flash_dllm.models import random_model, save_checkpoint
 from flash_dllm.tokenizer import train_llada_tokenizer
@@ -18,6 +19,14 @@ CORPUS = [
     "x = 5\nfor i in range(3):\n    x = x + i\nprint(x)",
     "The passkey is 48213. Remember it. What is the passkey?",
 ] * 20
+
+
+def eos_biased_llm(path: Path, **kwargs) -> LLM:
+    """An fp32 CPU LLM on a random checkpoint whose eos logit is scaled up, so that some requests stop
+    early and the early-stop path is exercised."""
+    llm = LLM(str(path), device="cpu", dtype="float32", **kwargs)
+    llm.model.transformer["ff_out"].weight[llm.special.stop_ids[0]] *= 2.5
+    return llm
 
 
 def tiny_config(**overrides) -> dict:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import eos_biased_llm
+
 from flash_dllm import LLM, SamplingParams
 from flash_dllm.tasks import is_correct, load_test_set
 
@@ -12,9 +14,7 @@ PROMPTS = ["What is 3 + 4?", "Tom has 3 apples and buys 4 more. How many?", "x",
 
 @pytest.fixture(scope="module")
 def llm(gqa_checkpoint):
-    llm = LLM(str(gqa_checkpoint), device="cpu", dtype="float32", max_batch_size=3)
-    llm.model.transformer["ff_out"].weight[llm.special.stop_ids[0]] *= 2.5  # some requests stop early
-    return llm
+    return eos_biased_llm(gqa_checkpoint, max_batch_size=3)
 
 
 @pytest.mark.parametrize("method", ["prefix-cache", "dual-cache"])

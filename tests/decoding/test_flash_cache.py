@@ -7,7 +7,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from flash_dllm import LLM, SamplingParams
+from conftest import eos_biased_llm
+
+from flash_dllm import SamplingParams
 from flash_dllm.decoding.flash_cache import query_priority
 
 PROMPTS = ["What is 3 + 4?", "Tom has 3 apples and buys 4 more. How many?", "x", "The passkey is 48213."]
@@ -15,9 +17,7 @@ PROMPTS = ["What is 3 + 4?", "Tom has 3 apples and buys 4 more. How many?", "x",
 
 @pytest.fixture(scope="module")
 def llm(gqa_checkpoint):
-    llm = LLM(str(gqa_checkpoint), device="cpu", dtype="float32", max_batch_size=3)
-    llm.model.transformer["ff_out"].weight[llm.special.stop_ids[0]] *= 2.5  # some requests stop early
-    return llm
+    return eos_biased_llm(gqa_checkpoint, max_batch_size=3)
 
 
 @pytest.mark.parametrize("rule", [dict(threshold=0.7), dict(factor=1.0)])

@@ -10,7 +10,7 @@ from flash_dllm.cache.block_table import BlockTable
 from flash_dllm.decoding.flash_verify import CONTEXT, DRAFT, MASK, verify_visibility
 from flash_dllm.tasks import is_correct, load_test_set
 
-from conftest import tiny_config, write_checkpoint
+from conftest import eos_biased_llm, tiny_config, write_checkpoint
 
 PROMPTS = ["What is 3 + 4?", "Tom has 3 apples and buys 4 more. How many?", "x", "The passkey is 48213."]
 
@@ -68,9 +68,7 @@ def test_changing_a_draft_changes_only_what_may_see_it(tmp_path):
 
 @pytest.fixture(scope="module")
 def llm(gqa_checkpoint):
-    llm = LLM(str(gqa_checkpoint), device="cpu", dtype="float32", max_batch_size=3)
-    llm.model.transformer["ff_out"].weight[llm.special.stop_ids[0]] *= 2.5
-    return llm
+    return eos_biased_llm(gqa_checkpoint, max_batch_size=3)
 
 
 def test_rejecting_every_candidate_is_flash_cache(llm):

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import eos_biased_llm
+
 from flash_dllm import LLM, SamplingParams
 from flash_dllm.tasks import load_test_set
 
@@ -12,9 +14,7 @@ PROMPTS = ["What is 3 + 4?", "Tom has 3 apples and buys 4 more. How many?", "x",
 
 @pytest.fixture(scope="module")
 def llm(checkpoint):
-    llm = LLM(str(checkpoint), device="cpu", dtype="float32", max_batch_size=4)
-    llm.model.transformer["ff_out"].weight[llm.special.stop_ids[0]] *= 2.5
-    return llm
+    return eos_biased_llm(checkpoint, max_batch_size=4)
 
 
 @pytest.mark.parametrize("case", [dict(draft_length=1), dict(draft_length=4), dict(draft_length=8),

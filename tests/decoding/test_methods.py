@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import eos_biased_llm
 
-from flash_dllm import LLM, SamplingParams
+from flash_dllm import SamplingParams
 from flash_dllm.decoding.sampling import NOISE_STREAM, REMASK_STREAM, counter_uniform
 
 PROMPTS = ["What is 3 + 4?", "Tom has 3 apples.", "x = 5\nprint(x)", "The passkey is"]
@@ -12,10 +13,7 @@ PROMPTS = ["What is 3 + 4?", "Tom has 3 apples.", "x = 5\nprint(x)", "The passke
 
 @pytest.fixture(scope="module")
 def llm(mha_checkpoint):
-    llm = LLM(str(mha_checkpoint), device="cpu", dtype="float32")
-    # Make eos likely so that early stopping at the first eos/eot is exercised.
-    llm.model.transformer["ff_out"].weight[llm.special.stop_ids[0]] *= 2.5
-    return llm
+    return eos_biased_llm(mha_checkpoint)
 
 
 def llada_generate(model, prompt: list[int], params: SamplingParams, mask_id: int) -> list[int]:

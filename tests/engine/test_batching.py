@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from flash_dllm import LLM, SamplingParams
+from conftest import eos_biased_llm
+
+from flash_dllm import SamplingParams
 from flash_dllm.engine.scheduler import Scheduler
 from flash_dllm.engine.sequence import Sequence
 
@@ -21,9 +23,7 @@ PARAMS = [
 
 @pytest.fixture(scope="module")
 def llm(checkpoint):
-    llm = LLM(str(checkpoint), device="cpu", dtype="float32", max_batch_size=2)
-    llm.model.transformer["ff_out"].weight[llm.special.stop_ids[0]] *= 2.5  # some requests stop early
-    return llm
+    return eos_biased_llm(checkpoint, max_batch_size=2)
 
 
 @pytest.mark.parametrize("params", PARAMS, ids=lambda p: f"{p.method}-{p.max_tokens}-{p.block_length}")

@@ -25,7 +25,7 @@ def initial_position_state(length: int, device) -> dict[str, torch.Tensor]:
 
 def lossless_step(model, batch: DecodeBatch, mask_id: int):
     params, tokens = batch.params, batch.tokens
-    device, (B, width) = tokens.device, tokens.shape
+    device, B = tokens.device, tokens.shape[0]
     k, n, num_blocks = params.drafts, params.block_length, params.num_blocks
     rank, draft_token = batch.position_state["draft_rank"], batch.position_state["draft_token"]
 

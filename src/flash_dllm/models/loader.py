@@ -10,7 +10,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from ..config import PRESETS, ModelConfig, read_config_json
+from ..config import PRESETS, ModelConfig
 from .llada import LLaDAModel, RMSNorm
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {"llada": LLaDAModel}
