@@ -31,7 +31,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     text: str | None           # None when the model directory has no tokenizer
     token_ids: list[int]       # generated tokens, up to and excluding the first eos/eot
-    finish_reason: str         # "stop" (an eos/eot was generated) or "length"
+    finish_reason: str         # "stop" (an eos/eot was generated), "length" or "abort"
     nfe: int                   # forward passes
     steps: int                 # denoising steps
     query_rows: int            # query rows computed over all forward passes (the whole sequence without cache)
@@ -137,16 +137,21 @@ class LLM:
             from tqdm.auto import tqdm
             progress = tqdm(total=len(seqs), desc="requests", unit="req", dynamic_ncols=True)
         start, num_steps, num_tokens = time.perf_counter(), 0, 0
-        while self.engine.has_unfinished():
-            finished = self.engine.step()
-            num_steps += 1
+        try:
+            while self.engine.has_unfinished():
+                finished = self.engine.step()
+                num_steps += 1
+                if progress is not None:
+                    num_tokens += sum(len(seq.output_ids) for seq in finished)
+                    rate = num_tokens / (time.perf_counter() - start)
+                    progress.set_postfix(steps=num_steps, tok_s=f"{rate:.1f}", refresh=False)
+                    progress.update(len(finished))
+        except BaseException:  # an interrupt or a failure leaves no half-done request behind
+            self.engine.abort(seqs)
+            raise
+        finally:
             if progress is not None:
-                num_tokens += sum(len(seq.output_ids) for seq in finished)
-                rate = num_tokens / (time.perf_counter() - start)
-                progress.set_postfix(steps=num_steps, tok_s=f"{rate:.1f}", refresh=False)
-                progress.update(len(finished))
-        if progress is not None:
-            progress.close()
+                progress.close()
         return [RequestOutput(
             request_id=seq.request_id, prompt=prompt, prompt_token_ids=seq.prompt_ids,
             text=self.decode(seq.output_ids), token_ids=seq.output_ids, finish_reason=seq.finish_reason,

@@ -86,3 +86,27 @@ def test_scheduler_drains_before_switching_keys():
 def test_step_without_requests_does_nothing(llm):
     assert not llm.engine.has_unfinished()
     assert llm.engine.step() == []
+
+
+def test_interrupted_generate_leaves_the_engine_clean(gqa_checkpoint):
+    """A failure in the middle of a run aborts its requests and frees their cache rows; the next call works."""
+    llm = eos_biased_llm(gqa_checkpoint, max_batch_size=2)
+    params = SamplingParams(method="dual-cache", max_tokens=32, block_length=8, threshold=0.7)
+    expected = llm.generate(PROMPTS[:3], params)
+    steps = 0
+    real_step = llm.engine.step
+
+    def failing_step():
+        nonlocal steps
+        steps += 1
+        if steps == 3:
+            raise KeyboardInterrupt
+        return real_step()
+
+    llm.engine.step = failing_step
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS[:3], params)
+    llm.engine.step = real_step
+    assert not llm.engine.has_unfinished()
+    assert llm.engine.allocator.num_free == llm.engine.allocator.num_rows
+    assert [o.token_ids for o in llm.generate(PROMPTS[:3], params)] == [o.token_ids for o in expected]

@@ -51,6 +51,17 @@ class LLMEngine:
                 raise ValueError(f"a sequence of {length} tokens can never fit in a KV cache of "
                                  f"{self.allocator.num_rows} tokens; raise kv_cache_bytes or shorten the request")
 
+    def abort(self, seqs: list[Sequence]):
+        """Drop unfinished requests, waiting or running, and free their cache rows."""
+        for seq in seqs:
+            if seq.is_finished:
+                continue
+            if seq in self.scheduler.waiting:
+                self.scheduler.waiting.remove(seq)
+            if seq.cache_base is not None:
+                self.allocator.release(seq.cache_base, seq.length)
+            seq.finish([], "abort", seq.steps, seq.nfe)
+
     def _ensure_cache(self):
         if self.cache is not None:
             return
@@ -121,5 +132,5 @@ class LLMEngine:
             seq = batch.seqs[row]
             if seq.cache_base is not None:
                 self.allocator.release(seq.cache_base, seq.length)
-            seq.finish(generated[row, :stop].tolist(), stop < length, num_steps, num_fwd)
+            seq.finish(generated[row, :stop].tolist(), "stop" if stop < length else "length", num_steps, num_fwd)
         return [batch.seqs[row] for row in rows]

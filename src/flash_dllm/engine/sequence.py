@@ -47,9 +47,10 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def finish(self, output_ids: list[int], reached_stop: bool, steps: int, nfe: int):
+    def finish(self, output_ids: list[int], reason: str, steps: int, nfe: int):
+        """reason: "stop" (an eos/eot was generated), "length" or "abort"."""
         self.output_ids, self.steps, self.nfe = output_ids, steps, nfe
-        self.finish_reason = "stop" if reached_stop else "length"
+        self.finish_reason = reason
         self.status = SequenceStatus.FINISHED
         self.tokens = self.counters = self.cache_base = None
         self.position_state = {}
