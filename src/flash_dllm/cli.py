@@ -100,14 +100,14 @@ def cmd_generate(args):
 def cmd_info(args):
     import torch
 
-    from .config import PRESETS, ModelConfig
+    from .config import ModelConfig
     from .llm import RANDOM_PREFIX, default_model_path
     from .models import build_model
+    from .models.loader import random_config
 
     spec = args.model or str(default_model_path())
     if spec.startswith(RANDOM_PREFIX):
-        name = spec[len(RANDOM_PREFIX):]
-        cfg = ModelConfig.from_hf_dict(PRESETS[name]) if name in PRESETS else ModelConfig.from_dir(name)
+        cfg = random_config(spec[len(RANDOM_PREFIX):])
     else:
         cfg = ModelConfig.from_dir(spec)
     num_params = sum(p.numel() for p in build_model(cfg, "meta", torch.bfloat16).parameters())

@@ -7,6 +7,12 @@ from dataclasses import dataclass
 import torch
 
 
+def cu_seqlens(counts: list[int], device) -> torch.Tensor:
+    """Per-request row counts -> offsets [B + 1] of each request's rows in the flat order."""
+    counts_t = torch.tensor(counts, dtype=torch.long, device=device)
+    return torch.cat([torch.zeros(1, dtype=torch.long, device=device), counts_t.cumsum(0)])
+
+
 @dataclass
 class BlockTable:
     """Query rows are flat [N], grouped by request: group b is rows cu_seqlens_q[b]:cu_seqlens_q[b+1].

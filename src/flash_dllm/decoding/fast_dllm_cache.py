@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cache.block_table import BlockTable
+from ..cache.block_table import BlockTable, cu_seqlens
 from ..cache.kv_cache import KVCache
 from ..engine.batch import DecodeBatch
 
@@ -31,19 +31,17 @@ def query_ranges(batch: DecodeBatch) -> tuple[list[int], list[int], list[int]]:
 def cached_logits(model, batch: DecodeBatch, cache: KVCache) -> torch.Tensor:
     device = batch.tokens.device
     starts, counts, offsets = query_ranges(batch)
-    for seq, count in zip(batch.seqs, counts):
-        seq.query_rows += count
-    lengths = [seq.length for seq in batch.seqs]
+    batch.count_query_rows(counts)
     as_tensor = lambda values: torch.tensor(values, device=device)
     num_rows = sum(counts)
-    counts_t = as_tensor(counts)
-    cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.long, device=device), counts_t.cumsum(0)])
-    row = torch.repeat_interleave(torch.arange(len(counts), device=device), counts_t, output_size=num_rows)
-    positions = as_tensor(starts)[row] + torch.arange(num_rows, device=device) - cu_seqlens[row]
+    offsets_q = cu_seqlens(counts, device)
+    row = torch.repeat_interleave(torch.arange(len(counts), device=device), as_tensor(counts), output_size=num_rows)
+    positions = as_tensor(starts)[row] + torch.arange(num_rows, device=device) - offsets_q[row]
     width = batch.tokens.shape[1]
-    input_ids = batch.tokens[row, (width - as_tensor(lengths))[row] + positions]
-    table = BlockTable(cu_seqlens_q=cu_seqlens, kv_start=batch.cache_base, kv_len=as_tensor(lengths),
-                       slot_mapping=batch.cache_base[row] + positions, max_q=max(counts), max_kv=max(lengths))
+    input_ids = batch.tokens[row, (width - batch.lengths)[row] + positions]
+    table = BlockTable(cu_seqlens_q=offsets_q, kv_start=batch.cache_base, kv_len=batch.lengths,
+                       slot_mapping=batch.cache_base[row] + positions, max_q=max(counts),
+                       max_kv=max(seq.length for seq in batch.seqs))
     hidden = model.forward_cached(input_ids, positions, table, cache)
-    block_rows = (cu_seqlens[:-1] + as_tensor(offsets))[:, None] + torch.arange(batch.params.block_length, device=device)
+    block_rows = (offsets_q[:-1] + as_tensor(offsets))[:, None] + torch.arange(batch.params.block_length, device=device)
     return model.compute_logits(hidden[block_rows]).float()

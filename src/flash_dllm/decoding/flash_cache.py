@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cache.block_table import BlockTable
+from ..cache.block_table import BlockTable, cu_seqlens
 from ..cache.kv_cache import KVCache
 from ..engine.batch import DecodeBatch
 
@@ -53,20 +53,16 @@ def flash_cache_logits(model, batch: DecodeBatch, cache: KVCache, block_columns:
     and the query columns [B, Qmax] (ascending; the batch width where a row has fewer)."""
     device = batch.tokens.device
     counts = query_counts(batch)
-    for seq, count in zip(batch.seqs, counts):
-        seq.query_rows += count
-    width = batch.tokens.shape[1]
-    lengths = torch.tensor([seq.length for seq in batch.seqs], device=device)
+    batch.count_query_rows(counts)
+    width, lengths = batch.tokens.shape[1], batch.lengths
     chosen = torch.topk(query_priority(batch, mask_id), max(counts), dim=1).indices   # [B, Qmax]
     valid = torch.arange(max(counts), device=device) < torch.tensor(counts, device=device)[:, None]
     chosen = torch.where(valid, chosen, width).sort(dim=1).values                      # ascending, invalid last
     rows = torch.arange(len(counts), device=device)[:, None].expand_as(chosen)[valid]
     columns = chosen[valid]                                                             # [N] flat, by sequence
     positions = columns - (width - lengths)[rows]
-    counts_t = torch.tensor(counts, device=device)
-    cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.long, device=device), counts_t.cumsum(0)])
     input_ids = batch.tokens[rows, columns]
-    table = BlockTable(cu_seqlens_q=cu_seqlens, kv_start=batch.cache_base, kv_len=lengths,
+    table = BlockTable(cu_seqlens_q=cu_seqlens(counts, device), kv_start=batch.cache_base, kv_len=lengths,
                        slot_mapping=batch.cache_base[rows] + positions, max_q=max(counts),
                        max_kv=int(max(seq.length for seq in batch.seqs)), track_rows=input_ids == mask_id)
     key_mass = torch.zeros(len(counts), table.max_kv, device=device)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cache.block_table import BlockTable
+from ..cache.block_table import BlockTable, cu_seqlens
 from ..cache.kv_cache import KVCache
 from ..engine.batch import DecodeBatch
 from .flash_cache import flash_cache_logits
@@ -93,19 +93,17 @@ def _verify(model, batch, cache, counts, columns, valid, ids, role, ranks, slot,
     num_slots = slot.shape[1]
     max_q = max(counts)
     columns, valid, ids, role, ranks, slot = (t[:, :max_q] for t in (columns, valid, ids, role, ranks, slot))
-    lengths = torch.tensor([seq.length for seq in batch.seqs], device=device)
+    lengths = batch.lengths
     positions = columns - (width - lengths)[:, None]
     rows = torch.arange(len(counts), device=device)[:, None].expand_as(positions)
     recomputed = torch.zeros(len(counts), int(lengths.max()), dtype=torch.bool, device=device)
     recomputed[rows[valid], positions[valid]] = True
-    counts_t = torch.tensor(counts, device=device)
     table = BlockTable(
-        cu_seqlens_q=torch.cat([torch.zeros(1, dtype=torch.long, device=device), counts_t.cumsum(0)]),
+        cu_seqlens_q=cu_seqlens(counts, device),
         kv_start=batch.cache_base, kv_len=lengths, slot_mapping=(batch.cache_base[:, None] + positions)[valid],
         max_q=max_q, max_kv=int(lengths.max()), write_cache=False, hidden_keys=recomputed,
         self_visibility=verify_visibility(role, ranks, valid))
-    for seq, count in zip(batch.seqs, counts):
-        seq.query_rows += count
+    batch.count_query_rows(counts)
     hidden = model.forward_cached(ids[valid], positions[valid], table, cache)
 
     # The flat row of each pass entry, by where the entry started; S's mask views started at the last n.

@@ -42,8 +42,7 @@ def lossless_step(model, batch: DecodeBatch, mask_id: int):
         states.append(applied)
     state_valid = torch.cat([torch.ones(B, 1, dtype=torch.bool, device=device), draft_valid], dim=1)
     flat = torch.stack(states, dim=1)[state_valid]                                   # [S, W]
-    for seq, num_states in zip(batch.seqs, state_valid.sum(dim=1).tolist()):
-        seq.query_rows += num_states * seq.length
+    batch.count_query_rows([n * seq.length for n, seq in zip(state_valid.sum(dim=1).tolist(), batch.seqs)])
     row = torch.arange(B, device=device)[:, None].expand(B, k + 1)[state_valid]      # request of each state
     index = torch.arange(k + 1, device=device).expand(B, k + 1)[state_valid]        # its j
 

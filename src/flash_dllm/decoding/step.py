@@ -44,8 +44,7 @@ def block_transfer(model, batch: DecodeBatch, cache: KVCache | None, columns: to
         logits = cached_logits(model, batch, cache)
     else:
         logits = full_forward_logits(model, batch, columns, mask_id)
-        for seq in batch.seqs:
-            seq.query_rows += seq.length * (2 if params.guidance > 0 else 1)
+        batch.count_query_rows([seq.length * (2 if params.guidance > 0 else 1) for seq in batch.seqs])
     masked = batch.tokens.gather(1, columns) == mask_id
     candidates, confidence = sample_tokens(logits, batch.temperature, batch.seed, batch.steps, block_offsets,
                                            sample=batch.is_sampling, mask_id=mask_id)

@@ -14,6 +14,7 @@ class DecodeBatch:
     seqs: list[Sequence]
     params: SamplingParams        # settings the rows share (equal batch_key)
     tokens: torch.Tensor          # [B, W] pad | prompt | generated or mask; every row ends at column W
+    lengths: torch.Tensor         # [B] real tokens per row (prompt + generation)
     attention_mask: torch.Tensor  # [B, W] True on real (non-pad) tokens
     positions: torch.Tensor       # [B, W] RoPE positions, 0 at each row's first real token
     block_index: torch.Tensor     # [B] current block within the generated region
@@ -34,6 +35,11 @@ class DecodeBatch:
     @property
     def host_step_in_block(self) -> list[int]:
         return [seq.step_in_block for seq in self.seqs]
+
+    def count_query_rows(self, counts: list[int]):
+        """Record the query rows a pass computed for each sequence."""
+        for seq, count in zip(self.seqs, counts):
+            seq.query_rows += count
 
     @property
     def gen_start(self) -> int:
@@ -57,7 +63,7 @@ class DecodeBatch:
         params = seqs[0].params
         rule = [s.params.factor if s.params.factor is not None else s.params.confidence_threshold for s in seqs]
         return cls(
-            seqs=seqs, params=params, tokens=tokens, attention_mask=attention_mask, positions=positions,
+            seqs=seqs, params=params, tokens=tokens, lengths=lengths, attention_mask=attention_mask, positions=positions,
             block_index=block_index, step_in_block=step_in_block, steps=steps, nfe=nfe,
             temperature=torch.tensor([s.params.temperature for s in seqs], device=device),
             seed=torch.tensor([s.params.seed for s in seqs], device=device),

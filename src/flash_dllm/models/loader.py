@@ -89,17 +89,19 @@ def load_weights(model: nn.Module, files: list[Path], device: str | torch.device
         raise ValueError(f"checkpoint is missing tensors: {', '.join(missing[:3])}{more}")
 
 
+def random_config(spec: str) -> ModelConfig:
+    """The configuration named by `random:SPEC`: a preset (see config.PRESETS) or a directory with a config.json."""
+    if spec in PRESETS:
+        return ModelConfig.from_hf_dict(PRESETS[spec])
+    if Path(spec).is_dir():
+        return ModelConfig.from_dir(spec)
+    raise ValueError(f"random:{spec}: not a preset ({', '.join(PRESETS)}) or a directory with config.json")
+
+
 def random_model(spec: str, device: str | torch.device, dtype: torch.dtype, seed: int = 0,
                  std: float = 0.02) -> nn.Module:
-    """A model with random weights: `spec` is a preset name (see config.PRESETS) or a directory with a
-    config.json. Weights are drawn directly on `device`."""
-    if spec in PRESETS:
-        cfg = ModelConfig.from_hf_dict(PRESETS[spec])
-    elif Path(spec).is_dir():
-        cfg = ModelConfig.from_dir(spec)
-    else:
-        raise ValueError(f"random:{spec}: not a preset ({', '.join(PRESETS)}) or a directory with config.json")
-    model = build_model(cfg, device, dtype)
+    """A model with random weights of `random_config(spec)`, drawn directly on `device`."""
+    model = build_model(random_config(spec), device, dtype)
     generator = torch.Generator(device=device).manual_seed(seed)
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
