@@ -36,16 +36,18 @@ def test_decodes_held_out_passkey_items(llm):
     assert all(is_correct(item, out.text) for item, out in zip(items, outs))
 
 
-def test_decodes_held_out_arith_items(llm):
-    """The first held-out arith items that the model solves with one token per step."""
-    items = load_test_set("arith")[:8]
+@pytest.mark.parametrize("task", ["arith", "trace"])
+def test_decodes_held_out_items_one_token_per_step(llm, task):
+    """The reference decoder solves 98.5% of arith and 92.5% of trace on the H200 (200 items each); here
+    the first 8 (8 and 7 of them on the CPU)."""
+    items = load_test_set(task)[:8]
     outs = llm.generate([item.prompt for item in items],
                         SamplingParams(method="reference", max_tokens=128, block_length=32))
-    assert sum(is_correct(item, out.text) for item, out in zip(items, outs)) >= 3
+    assert sum(is_correct(item, out.text) for item, out in zip(items, outs)) >= 6
     assert all(out.finish_reason == "stop" for out in outs)
 
 
 def test_parallel_decodes_several_tokens_per_step(llm):
     items = load_test_set("arith")[:8]
     outs = llm.generate([item.prompt for item in items], SamplingParams(method="parallel", max_tokens=128))
-    assert sum(len(o.token_ids) for o in outs) / sum(o.steps for o in outs) > 3
+    assert sum(len(o.token_ids) for o in outs) / sum(o.steps for o in outs) > 8

@@ -10,6 +10,8 @@ import argparse
 import random
 from pathlib import Path
 
+from tokenizers import Tokenizer
+
 from flash_dllm.tasks import TASKS, generate
 from flash_dllm.tokenizer import train_llada_tokenizer
 
@@ -51,8 +53,14 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
     parser.add_argument("--test-sets", type=Path)
+    parser.add_argument("--keep-tokenizer", action="store_true",
+                        help="load the tokenizer already in OUT instead of training a new one (a shipped "
+                             "model's vocabulary must not change)")
     args = parser.parse_args()
-    tokenizer = train_llada_tokenizer(corpus(30000), VOCAB_SIZE, args.out, model_max_length=CONTEXT)
+    if args.keep_tokenizer:
+        tokenizer = Tokenizer.from_file(str(args.out / "tokenizer.json"))
+    else:
+        tokenizer = train_llada_tokenizer(corpus(30000), VOCAB_SIZE, args.out, model_max_length=CONTEXT)
     if args.test_sets:
         build_test_sets(args.test_sets, tokenizer)
 

@@ -54,14 +54,14 @@ def init_worker(tokenizer_path: str):
     WORKER["held_out"] = frozenset(item.prompt for task in TASKS for item in load_test_set(task))
 
 
-def make_chunk(seed: int, short_items: int, passkey_tokens: int):
+def make_chunk(seed: int, short_items: int, passkey_tokens: int, arith_share: float):
     """One chunk of training data: token ids of `short_items` arith/trace items and of about
     `passkey_tokens` tokens of passkey items of one length. Runs in a worker process."""
     tokenizer, held_out = WORKER["tokenizer"], WORKER["held_out"]
     count = lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids)
     rng = random.Random(f"train-{seed}")
     length = rng.randint(128, MAX_PASSKEY)
-    items = [generate(rng.choice(["arith", "trace"]), rng) for _ in range(short_items)]
+    items = [generate("arith" if rng.random() < arith_share else "trace", rng) for _ in range(short_items)]
     items += [generate("passkey", rng, num_tokens=length, count_tokens=count)
               for _ in range(max(2, passkey_tokens // (length + ANSWER_TOKENS + 32)))]
     chunk = {"short": [], "passkey": []}
@@ -114,6 +114,7 @@ def main():
     parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument("--short-batch", type=int, default=384, help="arith + trace items per step")
     parser.add_argument("--passkey-tokens", type=int, default=65536, help="passkey tokens per step")
+    parser.add_argument("--arith-share", type=float, default=0.5, help="fraction of arith among the short items")
     parser.add_argument("--workers", type=int, default=12)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda")
@@ -145,7 +146,7 @@ def main():
     print(f"parameters: {num_params:,}", flush=True)
 
     pool = mp.get_context("spawn").Pool(args.workers, init_worker, (str(args.assets / "tokenizer.json"),))
-    chunk_args = (args.short_batch + 16, args.passkey_tokens)
+    chunk_args = (args.short_batch + 16, args.passkey_tokens, args.arith_share)
     next_seed = args.seed * 10**6
     pending = collections.deque()
     while len(pending) < 2 * args.workers:

@@ -1,5 +1,8 @@
-"""Code tracing: a short Python program (assignments, arithmetic, an if, a loop over a small range);
-the question is what it prints; the solution traces it line by line."""
+"""Code tracing: a short Python program over one variable (two assignments, an if, a loop over a small
+range, a print); the question is what it prints; the solution traces it line by line.
+
+One variable (plus the loop's) keeps the task within reach of the embedded 11M-parameter model, which
+confused two variables' values (training/README.md)."""
 from __future__ import annotations
 
 import random
@@ -7,58 +10,40 @@ import random
 VARIABLES = ["a", "b", "c", "x", "y", "n", "s", "t"]
 
 
-def _binary(rng: random.Random, left: str, values: dict) -> tuple[str, int, str]:
-    """`left op right` with a small constant or another variable; returns (code, value, worked)."""
+def _update(rng: random.Random, name: str, value: int) -> tuple[str, int, str]:
+    """`name op constant`; returns (code, new value, worked)."""
     op = rng.choice(["+", "-", "*"])
-    if rng.random() < 0.5 and len(values) > 1:
-        right = rng.choice([v for v in values if v != left])
-        r = values[right]
-    else:
-        right = str(rng.randint(1, 9) if op != "*" else rng.randint(2, 3))
-        r = int(right)
-    l = values[left]
-    value = l + r if op == "+" else l - r if op == "-" else l * r
-    return f"{left} {op} {right}", value, f"{l} {op} {r} = {value}"
+    right = rng.randint(2, 3) if op == "*" else rng.randint(1, 9)
+    new = value + right if op == "+" else value - right if op == "-" else value * right
+    return f"{name} {op} {right}", new, f"{value} {op} {right} = {new}"
 
 
 def make_item(rng: random.Random) -> tuple[str, str, str]:
-    names = rng.sample(VARIABLES, 2)
-    first, second = names
-    values = {first: rng.randint(1, 9)}
-    code = [f"{first} = {values[first]}"]
-    trace = [f"{first} = {values[first]}."]
-    expr, values[second], worked = _binary(rng, first, values)
-    code.append(f"{second} = {expr}")
-    trace.append(f"{second} = {worked}.")
+    name, loop_var = rng.sample(VARIABLES, 2)
+    value = rng.randint(1, 9)
+    code = [f"{name} = {value}"]
+    expr, value, worked = _update(rng, name, value)
+    code.append(f"{name} = {expr}")
+    trace = [f"{name} = {worked}."]
 
-    target = rng.choice(names)
     limit = rng.randint(2, 20)
     cmp = rng.choice([">", "<"])
-    holds = values[target] > limit if cmp == ">" else values[target] < limit
-    expr, value, worked = _binary(rng, target, values)
-    code += [f"if {target} {cmp} {limit}:", f"    {target} = {expr}"]
-    trace.append(f"{values[target]} {cmp} {limit} is {holds}" + (f", so {target} = {worked}." if holds else "."))
+    holds = value > limit if cmp == ">" else value < limit
+    expr, new, worked = _update(rng, name, value)
+    code += [f"if {name} {cmp} {limit}:", f"    {name} = {expr}"]
+    trace.append(f"{value} {cmp} {limit} is {holds}" + (f", so {name} = {worked}." if holds else "."))
     if holds:
-        values[target] = value
+        value = new
 
-    loop_var = rng.choice([v for v in VARIABLES if v not in names])
-    acc = rng.choice(names)
     count = rng.randint(2, 3)
     op = rng.choice(["+", "-"])
-    code += [f"for {loop_var} in range({count}):", f"    {acc} = {acc} {op} {loop_var}"]
+    code += [f"for {loop_var} in range({count}):", f"    {name} = {name} {op} {loop_var}"]
     for i in range(count):
-        new = values[acc] + i if op == "+" else values[acc] - i
-        trace.append(f"{loop_var} = {i}: {acc} = {values[acc]} {op} {i} = {new}.")
-        values[acc] = new
+        new = value + i if op == "+" else value - i
+        trace.append(f"{loop_var} = {i}: {name} = {value} {op} {i} = {new}.")
+        value = new
 
-    if rng.random() < 0.5:
-        code.append(f"print({first} + {second})")
-        result = values[first] + values[second]
-        trace.append(f"{first} + {second} = {values[first]} + {values[second]} = {result}.")
-    else:
-        shown = rng.choice(names)
-        code.append(f"print({shown})")
-        result = values[shown]
-        trace.append(f"{shown} is {result}.")
+    code.append(f"print({name})")
+    trace.append(f"{name} is {value}.")
     prompt = "What does this program print?\n" + "\n".join(code)
-    return prompt, " ".join(trace) + f" #### {result}", str(result)
+    return prompt, " ".join(trace) + f" #### {value}", str(value)
