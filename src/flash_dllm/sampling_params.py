@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-METHODS = ("reference", "parallel", "prefix-cache", "dual-cache", "flash-cache", "flash-verify", "lossless")
-CACHED_METHODS = ("prefix-cache", "dual-cache", "flash-cache", "flash-verify")
+METHODS = ("reference", "parallel", "prefix-cache", "dual-cache", "elastic", "flash-cache", "flash-verify",
+           "lossless")
+CACHED_METHODS = ("prefix-cache", "dual-cache", "elastic", "flash-cache", "flash-verify")
 ACCEPTANCE = ("sequential", "cumprod")
 REMASKING = ("low_confidence", "random")
 
@@ -12,7 +13,9 @@ REMASKING = ("low_confidence", "random")
 _METHOD_ONLY = {"steps": ("reference",), "remasking": ("reference",), "cfg_scale": ("reference",),
                 "threshold": ("parallel", *CACHED_METHODS), "factor": ("parallel", "prefix-cache", "dual-cache", "flash-cache"),
                 "refresh_interval": ("prefix-cache", "dual-cache"),
-                "tracking_budget": ("flash-cache", "flash-verify"), "mask_window": ("flash-cache", "flash-verify"),
+                "tracking_budget": ("flash-cache", "flash-verify"),
+                "mask_window": ("elastic", "flash-cache", "flash-verify"),
+                "drift_threshold": ("elastic",), "track_num": ("elastic",),
                 "verify_threshold": ("flash-verify",), "acceptance": ("flash-verify",),
                 "draft_length": ("lossless",)}
 
@@ -38,9 +41,19 @@ class SamplingParams:
         rest with isolated draft and mask views (`verify_threshold` gamma, default 0.8; `acceptance`
         "sequential" or "cumprod"). "lossless": exactly the tokens of `reference` with one token per step,
         in fewer sequential forward passes: each pass also evaluates `draft_length` (default 4)
-        hypothesised next steps and keeps those the reference rule confirms.
+        hypothesised next steps and keeps those the reference rule confirms. "elastic" (Elastic-Cache,
+        with the threshold rule): no blocks, a window of the `mask_window` (beta, default 16) leftmost
+        masked positions before the first eos/eot; after one full pass, each step recomputes the window,
+        the previous step's newly decoded positions and the tracked ones (per layer the `track_num`,
+        default 1, decoded positions most attended by the window); at the first layer where the cosine
+        (over keys) between the tracked rows' attention before and after this step's update falls below
+        `drift_threshold` (gamma, default 0.9), that layer's output and all deeper layers are recomputed
+        over the whole sequence (gamma > 1 refreshes every step from layer 0: the threshold rule on the
+        same window without cache).
     max_tokens: generation length G (the number of mask positions appended to the prompt).
-    block_length: semi-autoregressive block size; blocks are decoded left to right.
+    block_length: semi-autoregressive block size; blocks are decoded left to right. Ignored by
+        "elastic", whose window slides over the whole generated region as in the published code
+        (so it need not divide max_tokens there).
     temperature: 0 is greedy; > 0 samples with Gumbel-max noise in float64, reproducible per `seed`.
     """
 
@@ -60,6 +73,8 @@ class SamplingParams:
     verify_threshold: float | None = None
     acceptance: str | None = None
     draft_length: int | None = None
+    drift_threshold: float | None = None
+    track_num: int | None = None
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -69,7 +84,7 @@ class SamplingParams:
                 raise ValueError(f"{name} applies to method {' or '.join(methods)}, not {self.method!r}")
         _check(self.max_tokens > 0, f"max_tokens must be positive, got {self.max_tokens}")
         _check(self.block_length > 0, f"block_length must be positive, got {self.block_length}")
-        _check(self.max_tokens % self.block_length == 0,
+        _check(self.method == "elastic" or self.max_tokens % self.block_length == 0,
                f"max_tokens ({self.max_tokens}) must be a multiple of block_length ({self.block_length})")
         _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
         if self.steps is not None:
@@ -96,6 +111,12 @@ class SamplingParams:
         if self.method in ("flash-cache", "flash-verify"):
             _check(self.window >= self.block_length,
                    f"mask_window ({self.window}) must cover a block (block_length {self.block_length})")
+        if self.method == "elastic":
+            _check(self.window > 0, f"mask_window must be positive, got {self.window}")
+        if self.drift_threshold is not None:
+            _check(self.drift_threshold >= 0, f"drift_threshold must be >= 0, got {self.drift_threshold}")
+        if self.track_num is not None:
+            _check(self.track_num > 0, f"track_num must be positive, got {self.track_num}")
         if self.refresh_interval is not None:
             _check(self.refresh_interval > 0, f"refresh_interval must be positive, got {self.refresh_interval}")
 
@@ -114,8 +135,10 @@ class SamplingParams:
 
     @property
     def window(self) -> int:
-        """Flash-Cache's beta_m."""
-        return 64 if self.mask_window is None else self.mask_window
+        """Flash-Cache's beta_m, Elastic-Cache's beta."""
+        if self.mask_window is not None:
+            return self.mask_window
+        return 16 if self.method == "elastic" else 64
 
     @property
     def tracked(self) -> int:
@@ -126,6 +149,15 @@ class SamplingParams:
     def gamma(self) -> float:
         """Flash-Verify's acceptance threshold."""
         return 0.8 if self.verify_threshold is None else self.verify_threshold
+
+    @property
+    def drift_gamma(self) -> float:
+        """Elastic-Cache's refresh threshold on the attention cosine."""
+        return 0.9 if self.drift_threshold is None else self.drift_threshold
+
+    @property
+    def track_per_layer(self) -> int:
+        return 1 if self.track_num is None else self.track_num
 
     @property
     def drafts(self) -> int:
@@ -146,9 +178,11 @@ class SamplingParams:
     def batch_key(self) -> tuple:
         """Requests with equal keys can share a batch; per-row values (temperature, seed, threshold or
         factor values) may differ inside it."""
-        return (self.method, self.max_tokens, self.block_length, self.steps_per_block,
+        return (self.method, self.max_tokens, self.block_length,
+                self.steps_per_block if self.method == "reference" else None,
                 self.uses_random_remasking, self.guidance, self.factor is not None, self.refresh_interval,
-                self.tracking_budget, self.mask_window, self.acceptance, self.draft_length)
+                self.tracking_budget, self.mask_window, self.acceptance, self.draft_length,
+                self.drift_threshold, self.track_num)
 
 
 def _check(condition: bool, message: str):

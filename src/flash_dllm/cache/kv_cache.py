@@ -14,7 +14,12 @@ from ..config import ModelConfig
 
 
 class KVCache:
-    """k[layer], v[layer]: [num_rows, kv_heads, head_dim]."""
+    """k[layer], v[layer]: [num_rows, kv_heads, head_dim].
+
+    `hidden_states()`: per layer [num_rows, hidden_size], the layer's input hidden state of each row
+    (Elastic-Cache recomputes deep layers over a whole sequence from them), allocated at first use:
+    hidden_size values per token and layer, half the K/V bytes with MHA.
+    """
 
     def __init__(self, cfg: ModelConfig, num_rows: int, dtype: torch.dtype, device: torch.device | str):
         if num_rows <= 0:
@@ -23,18 +28,28 @@ class KVCache:
         self.num_rows = num_rows
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self._hidden_shape = (num_rows, cfg.hidden_size)
+        self._hidden: list[torch.Tensor] | None = None
+
+    def hidden_states(self) -> list[torch.Tensor]:
+        if self._hidden is None:
+            k = self.k[0]
+            self._hidden = [torch.zeros(self._hidden_shape, dtype=k.dtype, device=k.device) for _ in self.k]
+        return self._hidden
 
     @staticmethod
-    def bytes_per_row(cfg: ModelConfig, dtype: torch.dtype) -> int:
-        return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
+    def bytes_per_row(cfg: ModelConfig, dtype: torch.dtype, with_hidden: bool = False) -> int:
+        values = 2 * cfg.num_kv_heads * cfg.head_dim + (cfg.hidden_size if with_hidden else 0)
+        return cfg.num_layers * values * torch.finfo(dtype).bits // 8
 
     @classmethod
-    def from_budget(cls, cfg: ModelConfig, budget_bytes: int, dtype: torch.dtype, device) -> KVCache:
-        """As many rows as `budget_bytes` holds."""
-        num_rows = budget_bytes // cls.bytes_per_row(cfg, dtype)
+    def from_budget(cls, cfg: ModelConfig, budget_bytes: int, dtype: torch.dtype, device,
+                    with_hidden: bool = False) -> KVCache:
+        """As many rows as `budget_bytes` holds (leaving room for the hidden states if `with_hidden`)."""
+        per_row = cls.bytes_per_row(cfg, dtype, with_hidden)
+        num_rows = budget_bytes // per_row
         if num_rows < 1:
-            raise ValueError(f"a KV cache budget of {budget_bytes} bytes holds no token "
-                             f"({cls.bytes_per_row(cfg, dtype)} bytes per token)")
+            raise ValueError(f"a KV cache budget of {budget_bytes} bytes holds no token ({per_row} bytes per token)")
         return cls(cfg, num_rows, dtype, device)
 
 

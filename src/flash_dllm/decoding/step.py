@@ -1,14 +1,16 @@
 """One denoising step (an iteration) for every row of the batch: logits for each row's current block
 from a full forward (`reference`, `parallel`) or a cached one (`prefix-cache`, `dual-cache`,
-`flash-cache`), then the method's unmasking rule; `flash-verify` and `lossless` run their own iteration.
-Rows advance together in tensor ops. Host inputs: the per-row block phase read at the engine's one sync
-per step; flash-verify and lossless read the shape of their second pass with one more."""
+`flash-cache`), then the method's unmasking rule; `elastic`, `flash-verify` and `lossless` run their own
+iteration. Rows advance together in tensor ops. Host inputs: the per-row block phase (elastic: query
+counts) read at the engine's one sync per step; elastic, flash-verify and lossless read the shape of a
+second pass with one more."""
 from __future__ import annotations
 
 import torch
 
 from ..cache.kv_cache import KVCache
 from ..engine.batch import DecodeBatch
+from .elastic import elastic_step
 from .fast_dllm_cache import cached_logits
 from .flash_cache import flash_cache_logits, note_decoded
 from .flash_verify import flash_verify_transfer
@@ -59,10 +61,14 @@ def block_transfer(model, batch: DecodeBatch, cache: KVCache | None, columns: to
     return candidates, transfer_threshold(confidence, masked, batch.rule_value)
 
 
-def denoise_step(model, batch: DecodeBatch, cache: KVCache | None, mask_id: int):
+def denoise_step(model, batch: DecodeBatch, cache: KVCache | None, mask_id: int,
+                 stop_ids: torch.Tensor | None = None):
+    """stop_ids [S]: the tokens that end an output (elastic's window stops at the first)."""
     params = batch.params
     if params.method == "lossless":
         return lossless_step(model, batch, mask_id)
+    if params.method == "elastic":
+        return elastic_step(model, batch, cache, mask_id, stop_ids)
     block_offsets = batch.block_index[:, None] * params.block_length + torch.arange(
         params.block_length, device=batch.tokens.device)          # [B, n] within the generated region
     columns = batch.gen_start + block_offsets                      # [B, n] within the row

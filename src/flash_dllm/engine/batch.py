@@ -27,6 +27,10 @@ class DecodeBatch:
     is_sampling: bool             # some row has temperature > 0
     cache_base: torch.Tensor | None  # [B] first KV-cache row of each sequence (cached methods)
     position_state: dict[str, torch.Tensor]  # method state per position, [B, W] aligned with tokens
+    # Methods whose query count varies (elastic): the next step's query rows per row, set on the device
+    # by the step and read at the engine's one sync into host_query_rows, which the step's shapes use.
+    next_query_rows: torch.Tensor | None = None  # [B]
+    host_query_rows: list[int] | None = None
 
     @property
     def host_block_index(self) -> list[int]:

@@ -12,6 +12,7 @@ import time
 import torch
 
 from ..cache import CacheAllocator, KVCache
+from ..decoding.elastic import initial_position_state as elastic_state
 from ..decoding.flash_cache import initial_position_state
 from ..decoding.lossless import initial_position_state as lossless_state
 from ..decoding.step import denoise_step
@@ -45,7 +46,7 @@ class LLMEngine:
     def check_fits(self, prompt_length: int, params: SamplingParams):
         """Raise now, not after the queue drains, for a request that the KV cache can never hold."""
         if params.uses_cache:
-            self._ensure_cache()
+            self._ensure_cache(params)
             length = prompt_length + params.max_tokens
             if length > self.allocator.num_rows:
                 raise ValueError(f"a sequence of {length} tokens can never fit in a KV cache of "
@@ -62,13 +63,16 @@ class LLMEngine:
                 self.allocator.release(seq.cache_base, seq.length)
             seq.finish([], "abort", seq.steps, seq.nfe)
 
-    def _ensure_cache(self):
+    def _ensure_cache(self, params: SamplingParams):
+        """Allocate the cache at the first request that needs it. If that request is elastic, the budget also
+        holds the per-layer hidden states; a later elastic request adds them beyond the budget."""
         if self.cache is not None:
             return
         budget = self.kv_cache_bytes
         if budget is None:  # default: 40% of free GPU memory, or 1 GiB of host memory
             budget = int(0.4 * torch.cuda.mem_get_info(self.device)[0]) if self.device.type == "cuda" else 1 << 30
-        self.cache = KVCache.from_budget(self.model.config, budget, self.dtype, self.device)
+        self.cache = KVCache.from_budget(self.model.config, budget, self.dtype, self.device,
+                                         with_hidden=params.method == "elastic")
         self.allocator = CacheAllocator(self.cache.num_rows)
 
     def _reserve(self, seq: Sequence) -> bool:
@@ -87,17 +91,18 @@ class LLMEngine:
         self._refresh_batch()
         if self.batch is None:
             return []
-        denoise_step(self.model, self.batch, self.cache, self.special.mask_id)
+        denoise_step(self.model, self.batch, self.cache, self.special.mask_id, self.stop_ids)
         return self._collect_finished()
 
     def _refresh_batch(self):
         """Drop the rows that finished last step and admit waiting requests; rebuild only on a change."""
-        running = [seq for seq in self.batch.seqs if not seq.is_finished] if self.batch is not None else []
+        previous = self.batch
+        running = [seq for seq in previous.seqs if not seq.is_finished] if previous is not None else []
         admitted = self.scheduler.admit(running, self._reserve)
-        if self.batch is not None and len(running) == len(self.batch.seqs) and not admitted:
+        if previous is not None and len(running) == len(previous.seqs) and not admitted:
             return
-        if self.batch is not None:
-            self.batch.unpack()
+        if previous is not None:
+            previous.unpack()
         for seq in admitted:
             prompt = torch.tensor(seq.prompt_ids, dtype=torch.long, device=self.device)
             masks = torch.full((seq.params.max_tokens,), self.special.mask_id, device=self.device)
@@ -105,12 +110,17 @@ class LLMEngine:
             seq.counters = torch.zeros(4, dtype=torch.long, device=self.device)
             if seq.params.method in ("flash-cache", "flash-verify"):
                 seq.position_state = initial_position_state(seq.length, self.device)
+            elif seq.params.method == "elastic":
+                seq.position_state = elastic_state(seq.length, self.device)
             elif seq.params.method == "lossless":
                 seq.position_state = lossless_state(seq.length, self.device)
             seq.status = SequenceStatus.RUNNING
             seq.start_time = time.perf_counter()
         rows = running + admitted
         self.batch = DecodeBatch.build(rows, self.special.pad_id, self.device) if rows else None
+        if self.batch is not None and self.batch.params.method == "elastic":  # carry the host query counts
+            carried = dict(zip(previous.seqs, previous.host_query_rows)) if running else {}
+            self.batch.host_query_rows = [carried.get(seq, seq.length) for seq in rows]  # new: a full pass
 
     def _collect_finished(self) -> list[Sequence]:
         """A row is finished when every position up to its first eos/eot is decoded, or all are."""
@@ -121,9 +131,14 @@ class LLMEngine:
         first_stop = torch.where(torch.isin(generated, self.stop_ids), index, length).amin(dim=1)
         first_mask = torch.where(generated == self.special.mask_id, index, length).amin(dim=1)
         finished = (first_stop < first_mask) | (first_mask == length)
-        state = torch.stack([finished.long(), batch.block_index, batch.step_in_block]).tolist()  # the one sync
+        host = [finished.long(), batch.block_index, batch.step_in_block]
+        if batch.next_query_rows is not None:
+            host.append(batch.next_query_rows)
+        state = torch.stack(host).tolist()  # the one sync
         for seq, block_index, step_in_block in zip(batch.seqs, state[1], state[2]):
             seq.block_index, seq.step_in_block = block_index, step_in_block
+        if batch.next_query_rows is not None:
+            batch.host_query_rows = state[3]
         rows = [row for row, is_done in enumerate(state[0]) if is_done]
         if not rows:
             return []
