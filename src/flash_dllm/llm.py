@@ -1,6 +1,8 @@
 """The user-facing API: `LLM(model).generate(prompts, SamplingParams(...))`."""
 from __future__ import annotations
 
+import os
+
 import time
 from dataclasses import dataclass
 from importlib import resources
@@ -66,11 +68,14 @@ class LLM:
     chat_template: apply the tokenizer's chat template to string prompts (default: when it has one).
     kv_cache_bytes: memory for the KV cache of the cached methods (default: 40% of free GPU memory, or
         1 GiB on the CPU); a request longer than the cache holds is refused with an error.
+    kernels: run the cached methods' attention through the Triton kernels (fused QKV + RoPE + cache write,
+        scheduled flash attention); default: on CUDA. False uses their PyTorch references (same tokens).
     """
 
     def __init__(self, model: str | Path | None = None, device: str | None = None,
                  dtype: str | torch.dtype | None = None, max_batch_size: int = 32,
-                 chat_template: bool | None = None, seed: int = 0, kv_cache_bytes: int | None = None):
+                 chat_template: bool | None = None, seed: int = 0, kv_cache_bytes: int | None = None,
+                 kernels: bool | None = None):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(dtype, self.device)
         spec = str(model) if model is not None else str(default_model_path())
@@ -81,6 +86,9 @@ class LLM:
             self.path = Path(spec)
             self.model = load_model(self.path, self.device, self.dtype)
         self.config = self.model.config
+        if kernels and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("kernels=True needs a CUDA device (or TRITON_INTERPRET=1 to run them interpreted)")
+        self.model.use_kernels = self.device.type == "cuda" if kernels is None else kernels
         self.tokenizer = load_tokenizer(self.path)
         self.special = special_tokens(self.config, self.path, self.tokenizer)
         has_template = self.tokenizer is not None and bool(getattr(self.tokenizer, "chat_template", None))

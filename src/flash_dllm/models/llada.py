@@ -6,6 +6,8 @@ q/k/v and gate/up are packed into one matrix each, so that each is a single matm
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -14,6 +16,8 @@ from ..cache.block_table import BlockTable
 from ..cache.kv_cache import KVCache
 from ..config import ModelConfig
 from ..kernels.attention import ragged_attention_ref
+from ..kernels.flash_attention import flash_attention
+from ..kernels.fused_qkv_rope import fused_qkv_rope
 
 
 class RMSNorm(nn.Module):
@@ -51,6 +55,20 @@ def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tupl
     return angles.cos(), angles.sin()
 
 
+class Rotary(NamedTuple):
+    """The RoPE of a pass's flat rows: positions [N] for the fused kernel, cos/sin [N, D] for the reference."""
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    @classmethod
+    def at(cls, positions: torch.Tensor, cfg: ModelConfig) -> Rotary:
+        return cls(positions, *rotary_cos_sin(positions, cfg.head_dim, cfg.rope_theta))
+
+    def __getitem__(self, rows):  # the same rows of all three
+        return Rotary(*(t[rows] for t in tuple(self)))
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [..., H, D]; cos, sin [..., D]. Rotation in fp32, result in x's dtype."""
     x32 = x.float()
@@ -64,6 +82,7 @@ class LLaDABlock(nn.Module):
         super().__init__()
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.rope_theta = cfg.rope_theta
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_bias)
         self.qkv_proj = PackedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=cfg.qkv_bias)
@@ -85,14 +104,16 @@ class LLaDABlock(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # bidirectional
         return self.attn_out(out.transpose(1, 2).reshape(B, L, -1))
 
-    def cached_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, table: BlockTable,
-                         cache: KVCache, key_mass: torch.Tensor | None) -> torch.Tensor:
+    def cached_attention(self, x: torch.Tensor, rope: Rotary, table: BlockTable, cache: KVCache,
+                         key_mass: torch.Tensor | None, kernels: bool) -> torch.Tensor:
         """x [N, d] flat query rows: write their K/V to the cache (unless the table says not to) and attend
-        over each request's cache range."""
+        over each request's cache range. `kernels`: the Triton kernels instead of their PyTorch references."""
+        if kernels:
+            return self.attn_out(self._kernel_attention(x, rope, table, cache, key_mass).flatten(1))
         N = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
-        q = apply_rotary(q.view(N, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(N, self.num_kv_heads, self.head_dim), cos, sin)
+        q = apply_rotary(q.view(N, self.num_heads, self.head_dim), rope.cos, rope.sin)
+        k = apply_rotary(k.view(N, self.num_kv_heads, self.head_dim), rope.cos, rope.sin)
         v = v.view(N, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = cache.k[self.layer], cache.v[self.layer]
         if table.write_cache:
@@ -102,6 +123,19 @@ class LLaDABlock(nn.Module):
             out = ragged_attention_ref(q, k_cache, v_cache, table, key_mass, k_new=k, v_new=v)
         return self.attn_out(out.reshape(N, -1))
 
+    def _kernel_attention(self, x, rope, table, cache, key_mass) -> torch.Tensor:
+        k_cache, v_cache = cache.k[self.layer], cache.v[self.layer]
+        project = lambda slots, k_out, v_out: fused_qkv_rope(
+            x, self.qkv_proj.weight, self.qkv_proj.bias, rope.positions, slots, k_out, v_out, self.num_heads,
+            self.rope_theta)
+        if table.write_cache:
+            q = project(table.slot_mapping, k_cache, v_cache)
+            return flash_attention(q, k_cache, v_cache, table, key_mass)
+        # A pass that must not write the cache (verify): its own K/V go to fresh rows.
+        k_new, v_new = (x.new_empty(x.shape[0], self.num_kv_heads, self.head_dim) for _ in range(2))
+        q = project(torch.arange(x.shape[0], device=x.device), k_new, v_new)
+        return flash_attention(q, k_cache, v_cache, table, key_mass, k_new=k_new, v_new=v_new)
+
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(self.ff_norm(x)).chunk(2, dim=-1)
         return self.ff_out(F.silu(gate) * up)
@@ -110,8 +144,8 @@ class LLaDABlock(nn.Module):
         x = x + self.attention(self.attn_norm(x), cos, sin, attn_mask)
         return x + self.mlp(x)
 
-    def forward_cached(self, x, cos, sin, table, cache, key_mass):
-        x = x + self.cached_attention(self.attn_norm(x), cos, sin, table, cache, key_mass)
+    def forward_cached(self, x, rope, table, cache, key_mass, kernels: bool = False):
+        x = x + self.cached_attention(self.attn_norm(x), rope, table, cache, key_mass, kernels)
         return x + self.mlp(x)
 
 
@@ -126,6 +160,7 @@ class LLaDAModel(nn.Module):
         })
         if not cfg.tie_word_embeddings:
             self.transformer["ff_out"] = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=cfg.linear_bias)
+        self.use_kernels = False  # cached passes through the Triton kernels (LLM turns this on for CUDA)
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                       attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -152,10 +187,10 @@ class LLaDAModel(nn.Module):
         attend to its whole range of the cache (see BlockTable). With key_mass [B, max_kv], the attention
         mass of the tracked rows is accumulated over layers and heads.
         """
-        cos, sin = rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
+        rope = Rotary.at(positions, self.config)
         x = self.transformer["wte"](input_ids)
         for block in self.transformer["blocks"]:
-            x = block.forward_cached(x, cos, sin, table, cache, key_mass)
+            x = block.forward_cached(x, rope, table, cache, key_mass, self.use_kernels)
         return self.transformer["ln_f"](x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

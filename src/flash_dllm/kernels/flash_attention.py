@@ -1,0 +1,160 @@
+"""Scheduled flash attention over the block table (Triton); its reference is attention.ragged_attention_ref.
+
+One launch for the whole batch: program (request, query tile, head) runs an online softmax in fp32 over the
+request's cache range [kv_start, kv_start + kv_len), then, in a pass that does not write the cache, over the
+pass's own new keys under self_visibility. With key_mass, a second sweep over the cache keys adds each
+key's final softmax probability (summed over heads and tracked rows) with atomics, so that no
+[rows, heads, keys] tensor is ever stored.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..cache.block_table import BlockTable
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the package imports without triton; only the kernel needs it
+    triton = None
+
+
+def flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: BlockTable,
+                    key_mass: torch.Tensor | None = None, k_new: torch.Tensor | None = None,
+                    v_new: torch.Tensor | None = None) -> torch.Tensor:
+    """q [N, H, D]; k_cache, v_cache [rows, Hkv, D] -> out [N, H, D] in q's dtype; a drop-in for
+    ragged_attention_ref (same arguments, same result).
+
+    key_mass [B, max_kv] fp32 (needs table.track_rows): += the softmax probability each cache key receives,
+    summed over heads and tracked rows. k_new, v_new [N, Hkv, D] (with table.self_visibility): the rows also
+    attend to the pass's own keys, and table.hidden_keys hides cache keys. A row that sees no key gets 0.
+    """
+    if triton is None:
+        raise RuntimeError("flash_attention needs triton; use ragged_attention_ref")
+    if key_mass is not None and k_new is not None:
+        raise ValueError("key_mass is accumulated over cache keys only; the verify pass (k_new) tracks none")
+    N, H, D = q.shape
+    group = H // k_cache.shape[1]
+    out = torch.empty_like(q)
+    if N == 0:
+        return out
+    assert q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1
+    has_new, hidden, track = k_new is not None, table.hidden_keys, key_mass is not None
+    # Dummy pointers for the disabled features; their constexpr flags keep them unread.
+    k_new, v_new = (k_new, v_new) if has_new else (k_cache, v_cache)
+    visibility = table.self_visibility.contiguous().view(torch.uint8) if has_new else q
+    hidden = hidden.contiguous().view(torch.uint8) if hidden is not None else q
+    track_rows = table.track_rows.contiguous().view(torch.uint8) if track else q
+    key_mass = key_mass if track else out
+    block_m = max(16, min(64, triton.next_power_of_2(table.max_q)))
+    grid = (table.num_seqs, triton.cdiv(table.max_q, block_m), H)
+    _flash_attention_kernel[grid](
+        q, k_cache, v_cache, out, k_new, v_new,
+        table.cu_seqlens_q, table.kv_start, table.kv_len, hidden, visibility, track_rows, key_mass,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        out.stride(0), out.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+        hidden.stride(0), visibility.stride(0), visibility.stride(1), key_mass.stride(0),
+        D ** -0.5, D,
+        GROUP=group, HAS_HIDDEN=table.hidden_keys is not None, HAS_NEW=has_new, TRACK=track,
+        BLOCK_M=block_m, BLOCK_N=64, BLOCK_D=max(16, triton.next_power_of_2(D)),
+        DOT_FP32=q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1", num_warps=4, num_stages=2)
+    return out
+
+
+if triton is not None:
+    @triton.jit
+    def _dot(a, b, DOT_FP32: tl.constexpr):
+        if DOT_FP32:  # exact fp32 products; also the interpreter's path, whose 16-bit tl.dot is wrong
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        return tl.dot(a, b, input_precision="ieee")
+
+    @triton.jit
+    def _softmax_step(b_s, b_v, b_m, b_l, b_acc, DOT_FP32: tl.constexpr):
+        """Fold one tile of log2-domain scores b_s [M, N] (-inf where hidden) and values b_v [N, D] into the
+        running max b_m, sum b_l and output b_acc. A row with nothing visible so far keeps weight 0, not NaN."""
+        b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
+        b_m_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
+        b_p = tl.exp2(b_s - b_m_safe[:, None])
+        b_alpha = tl.exp2(b_m - b_m_safe)
+        b_l = b_l * b_alpha + tl.sum(b_p, 1)
+        b_acc = b_acc * b_alpha[:, None] + _dot(b_p.to(b_v.dtype), b_v, DOT_FP32)
+        return b_m_new, b_l, b_acc
+
+    @triton.jit
+    def _cache_scores(b_q, k_ptr, hidden_ptr, seq, kv_begin, kv_len, start, kv_head, stride_kn, stride_kh,
+                      stride_hb, qk_scale, o_d, m_d, HAS_HIDDEN: tl.constexpr, BLOCK_N: tl.constexpr,
+                      DOT_FP32: tl.constexpr):
+        """Log2-domain scores [M, BLOCK_N] of the cache keys start.. of the request (-inf where out of range
+        or hidden) and the mask of the keys that count."""
+        o_n = start + tl.arange(0, BLOCK_N)
+        m_key = o_n < kv_len
+        if HAS_HIDDEN:
+            m_key = m_key & (tl.load(hidden_ptr + seq * stride_hb + o_n, mask=m_key, other=1) == 0)
+        b_k = tl.load(k_ptr + (kv_begin + o_n)[:, None] * stride_kn + kv_head * stride_kh + o_d[None, :],
+                      mask=m_key[:, None] & m_d[None, :], other=0.0)
+        b_s = _dot(b_q, tl.trans(b_k), DOT_FP32) * qk_scale
+        return tl.where(m_key[None, :], b_s, float("-inf")), m_key
+
+    @triton.jit
+    def _flash_attention_kernel(
+            q_ptr, k_ptr, v_ptr, o_ptr, kn_ptr, vn_ptr,
+            cu_q_ptr, kv_start_ptr, kv_len_ptr, hidden_ptr, vis_ptr, track_ptr, mass_ptr,
+            stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh,
+            stride_knn, stride_knh, stride_vnn, stride_vnh, stride_hb, stride_visb, stride_visq, stride_mb,
+            scale, D,
+            GROUP: tl.constexpr, HAS_HIDDEN: tl.constexpr, HAS_NEW: tl.constexpr, TRACK: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr):
+        seq, tile, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        q_begin = tl.load(cu_q_ptr + seq)
+        q_len = tl.load(cu_q_ptr + seq + 1) - q_begin
+        if tile * BLOCK_M >= q_len:
+            return
+        kv_begin, kv_len = tl.load(kv_start_ptr + seq), tl.load(kv_len_ptr + seq)
+        kv_head = head // GROUP
+        o_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)                          # query rows of the request
+        o_d = tl.arange(0, BLOCK_D)
+        m_m, m_d = o_m < q_len, o_d < D
+        b_q = tl.load(q_ptr + (q_begin + o_m)[:, None] * stride_qn + head * stride_qh + o_d[None, :],
+                      mask=m_m[:, None] & m_d[None, :], other=0.0)
+        qk_scale = scale * 1.4426950408889634  # exp(x) = exp2(x * log2(e))
+
+        b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
+        b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        for start in range(0, kv_len, BLOCK_N):
+            b_s, m_key = _cache_scores(b_q, k_ptr, hidden_ptr, seq, kv_begin, kv_len, start, kv_head, stride_kn,
+                                       stride_kh, stride_hb, qk_scale, o_d, m_d, HAS_HIDDEN, BLOCK_N, DOT_FP32)
+            b_v = tl.load(v_ptr + (kv_begin + start + tl.arange(0, BLOCK_N))[:, None] * stride_vn
+                          + kv_head * stride_vh + o_d[None, :], mask=m_key[:, None] & m_d[None, :], other=0.0)
+            b_m, b_l, b_acc = _softmax_step(b_s, b_v, b_m, b_l, b_acc, DOT_FP32)
+        if HAS_NEW:  # the pass's own keys: rows q_begin.., visible as self_visibility[seq, row, key] says
+            for start in range(0, q_len, BLOCK_N):
+                o_n = start + tl.arange(0, BLOCK_N)
+                m_n = o_n < q_len
+                m_kd = m_n[:, None] & m_d[None, :]
+                b_k = tl.load(kn_ptr + (q_begin + o_n)[:, None] * stride_knn + kv_head * stride_knh + o_d[None, :],
+                              mask=m_kd, other=0.0)
+                b_v = tl.load(vn_ptr + (q_begin + o_n)[:, None] * stride_vnn + kv_head * stride_vnh + o_d[None, :],
+                              mask=m_kd, other=0.0)
+                b_vis = tl.load(vis_ptr + seq * stride_visb + o_m[:, None] * stride_visq + o_n[None, :],
+                                mask=m_m[:, None] & m_n[None, :], other=0)
+                b_s = _dot(b_q, tl.trans(b_k), DOT_FP32) * qk_scale
+                b_s = tl.where(b_vis != 0, b_s, float("-inf"))
+                b_m, b_l, b_acc = _softmax_step(b_s, b_v, b_m, b_l, b_acc, DOT_FP32)
+
+        b_o = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]  # a row that saw no key has b_acc = 0
+        tl.store(o_ptr + (q_begin + o_m)[:, None] * stride_on + head * stride_oh + o_d[None, :],
+                 b_o.to(o_ptr.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])
+
+        if TRACK:  # second sweep: each cache key's final probability, summed over this tile's tracked rows
+            b_track = (tl.load(track_ptr + q_begin + o_m, mask=m_m, other=0) != 0) & (b_l > 0)
+            b_lse = b_m + tl.log2(tl.where(b_track, b_l, 1.0))
+            for start in range(0, kv_len, BLOCK_N):
+                b_s, m_key = _cache_scores(b_q, k_ptr, hidden_ptr, seq, kv_begin, kv_len, start, kv_head,
+                                           stride_kn, stride_kh, stride_hb, qk_scale, o_d, m_d, HAS_HIDDEN,
+                                           BLOCK_N, DOT_FP32)
+                b_p = tl.where(b_track[:, None], tl.exp2(b_s - b_lse[:, None]), 0.0)
+                o_n = start + tl.arange(0, BLOCK_N)
+                tl.atomic_add(mass_ptr + seq * stride_mb + o_n, tl.sum(b_p, 0), mask=m_key, sem="relaxed")

@@ -1,0 +1,142 @@
+"""Fused QKV projection + rotary embedding + KV cache write (Triton), beside its PyTorch reference.
+
+One launch turns the normed hidden rows into Q (returned) and writes K (rotated) and V straight into the
+flat cache rows of slot_mapping, so no K/V tensor is ever stored in between. A pass that must not write the
+cache (the verify pass) passes fresh [N, Hkv, D] buffers and slot_mapping = arange(N).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the reference works without triton; only the kernel needs it
+    triton = None
+
+
+@functools.cache
+def rope_inv_freq(head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    """[head_dim // 2] fp32, the same expression as models/llada.py's rotary_cos_sin, so that the
+    angles position * inv_freq are bit-identical to the model's."""
+    exponent = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
+    return 1.0 / (theta ** exponent)
+
+
+def fused_qkv_rope_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
+                       slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
+                       rope_theta: float) -> torch.Tensor:
+    """x [N, d]; weight [(H + 2 Hkv) * D, d] (q|k|v rows), bias [(H + 2 Hkv) * D] or None; positions,
+    slot_mapping [N]; k_cache, v_cache [rows, Hkv, D] -> q [N, H, D] in x's dtype.
+
+    Writes rotated K and V into the cache at slot_mapping. Rotate-half RoPE in fp32 on the projection
+    rounded to x's dtype, as LLaDABlock.cached_attention does.
+    """
+    N, (num_kv_heads, head_dim) = x.shape[0], k_cache.shape[1:]
+    q, k, v = F.linear(x, weight, bias).split([num_heads * head_dim, num_kv_heads * head_dim,
+                                                num_kv_heads * head_dim], dim=-1)
+    freqs = positions.float()[:, None] * rope_inv_freq(head_dim, rope_theta, x.device)
+    cos, sin = freqs.cos()[:, None], freqs.sin()[:, None]                        # [N, 1, D / 2]
+
+    def rotate(t: torch.Tensor, heads: int) -> torch.Tensor:
+        t1, t2 = t.view(N, heads, head_dim).float().chunk(2, dim=-1)
+        return torch.cat([t1 * cos - t2 * sin, t2 * cos + t1 * sin], dim=-1).to(x.dtype)
+
+    k_cache.index_copy_(0, slot_mapping, rotate(k, num_kv_heads))
+    v_cache.index_copy_(0, slot_mapping, v.view(N, num_kv_heads, head_dim))
+    return rotate(q, num_heads)
+
+
+def fused_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
+                   slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
+                   rope_theta: float) -> torch.Tensor:
+    """The Triton kernel of fused_qkv_rope_ref (same arguments, same result)."""
+    if triton is None:
+        raise RuntimeError("fused_qkv_rope needs triton; use fused_qkv_rope_ref")
+    (N, d), (num_kv_heads, head_dim) = x.shape, k_cache.shape[1:]
+    assert weight.shape == ((num_heads + 2 * num_kv_heads) * head_dim, d) and weight.dtype == x.dtype
+    assert x.stride(-1) == weight.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1
+    q = torch.empty(N, num_heads, head_dim, dtype=x.dtype, device=x.device)
+    if N == 0:
+        return q
+    half = head_dim // 2
+    block_n = max(16, min(128, triton.next_power_of_2(N)))
+    block_half = max(16, triton.next_power_of_2(half))
+    grid = (triton.cdiv(N, block_n), num_heads + 2 * num_kv_heads)
+    _fused_qkv_rope_kernel[grid](
+        x, weight, bias if bias is not None else weight, positions, rope_inv_freq(head_dim, rope_theta, x.device),
+        slot_mapping, q, k_cache, v_cache,
+        N, d, half, x.stride(0), weight.stride(0), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HAS_BIAS=bias is not None,
+        BLOCK_N=block_n, BLOCK_K=64, BLOCK_HALF=block_half,
+        DOT_FP32=x.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
+        num_warps=8 if block_n * block_half >= 128 * 64 else 4, num_stages=3)
+    return q
+
+
+if triton is not None:
+    @triton.jit
+    def _dot(a, b, acc, DOT_FP32: tl.constexpr):
+        if DOT_FP32:  # exact fp32 products; also the interpreter's path, whose 16-bit tl.dot is wrong
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        return tl.dot(a, b, acc, input_precision="ieee")
+
+    @triton.jit
+    def _store_halves(p_out, b_1, b_2, half, m_out):
+        tl.store(p_out, b_1.to(p_out.dtype.element_ty), mask=m_out)
+        tl.store(p_out + half, b_2.to(p_out.dtype.element_ty), mask=m_out)
+
+    @triton.jit
+    def _fused_qkv_rope_kernel(
+            x_ptr, w_ptr, bias_ptr, pos_ptr, inv_freq_ptr, slot_ptr, q_ptr, k_ptr, v_ptr,
+            N, d, half, stride_xn, stride_wf, stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
+            NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HAS_BIAS: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_HALF: tl.constexpr, DOT_FP32: tl.constexpr):
+        # One program: BLOCK_N rows x one head of the packed q|k|v output (heads 0..H-1 are q, then k, then v).
+        # The head's two halves get their own accumulators, so rotate-half pairs column j with j + half.
+        pid_n, head = tl.program_id(0), tl.program_id(1)
+        o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        o_j = tl.arange(0, BLOCK_HALF)
+        o_k = tl.arange(0, BLOCK_K)
+        m_n, m_j = o_n < N, o_j < half
+        f_1 = head * 2 * half + o_j                                             # weight rows, first half
+        b_1 = tl.zeros([BLOCK_N, BLOCK_HALF], dtype=tl.float32)
+        b_2 = tl.zeros([BLOCK_N, BLOCK_HALF], dtype=tl.float32)
+        for k0 in range(0, d, BLOCK_K):
+            m_k = k0 + o_k < d
+            b_x = tl.load(x_ptr + o_n[:, None] * stride_xn + (k0 + o_k)[None, :],
+                          mask=m_n[:, None] & m_k[None, :], other=0.0)
+            p_w = w_ptr + f_1[:, None] * stride_wf + (k0 + o_k)[None, :]
+            m_w = m_j[:, None] & m_k[None, :]
+            b_w1 = tl.load(p_w, mask=m_w, other=0.0)
+            b_w2 = tl.load(p_w + half * stride_wf, mask=m_w, other=0.0)
+            b_1 = _dot(b_x, tl.trans(b_w1), b_1, DOT_FP32)
+            b_2 = _dot(b_x, tl.trans(b_w2), b_2, DOT_FP32)
+        if HAS_BIAS:
+            b_1 += tl.load(bias_ptr + f_1, mask=m_j, other=0.0).to(tl.float32)[None, :]
+            b_2 += tl.load(bias_ptr + f_1 + half, mask=m_j, other=0.0).to(tl.float32)[None, :]
+        # The reference rotates the projection after rounding it to the input dtype.
+        b_1 = b_1.to(x_ptr.dtype.element_ty).to(tl.float32)
+        b_2 = b_2.to(x_ptr.dtype.element_ty).to(tl.float32)
+        m_out = m_n[:, None] & m_j[None, :]
+        if head < NUM_HEADS + NUM_KV_HEADS:  # q and k heads are rotated, v heads are not
+            b_pos = tl.load(pos_ptr + o_n, mask=m_n, other=0).to(tl.float32)
+            b_freq = b_pos[:, None] * tl.load(inv_freq_ptr + o_j, mask=m_j, other=0.0)[None, :]
+            b_cos, b_sin = tl.cos(b_freq), tl.sin(b_freq)
+            b_1, b_2 = b_1 * b_cos - b_2 * b_sin, b_2 * b_cos + b_1 * b_sin
+        if head < NUM_HEADS:
+            _store_halves(q_ptr + o_n[:, None] * stride_qn + head * stride_qh + o_j[None, :], b_1, b_2, half, m_out)
+        else:
+            b_slot = tl.load(slot_ptr + o_n, mask=m_n, other=0)
+            kv_head = (head - NUM_HEADS) % NUM_KV_HEADS
+            if head < NUM_HEADS + NUM_KV_HEADS:
+                p_k = k_ptr + b_slot[:, None] * stride_kn + kv_head * stride_kh + o_j[None, :]
+                _store_halves(p_k, b_1, b_2, half, m_out)
+            else:
+                p_v = v_ptr + b_slot[:, None] * stride_vn + kv_head * stride_vh + o_j[None, :]
+                _store_halves(p_v, b_1, b_2, half, m_out)

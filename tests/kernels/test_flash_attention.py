@@ -1,0 +1,101 @@
+"""Scheduled flash attention against ragged_attention_ref: ragged batches, GQA, key mass, the verify pass."""
+from kernel_testing import BUDGET, DEVICE, rel_err  # first: it picks the interpreter on the CPU
+
+import pytest
+import torch
+
+from flash_dllm.cache.block_table import BlockTable, cu_seqlens
+from flash_dllm.kernels.attention import ragged_attention_ref
+from flash_dllm.kernels.flash_attention import flash_attention
+
+# (query rows per request, KV length per request, heads, kv heads, head_dim)
+CASES = {
+    "ragged-gqa": ([5, 0, 17, 40], [30, 12, 77, 150], 4, 2, 32),  # a request with no rows; 3 key tiles
+    "head-dim-24": ([3, 9], [9, 20], 2, 2, 24),                  # head_dim not a power of two
+    "two-query-tiles": ([70, 1], [80, 5], 2, 1, 16),
+}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def make_batch(q_counts, kv_lens, heads, kv_heads, head_dim, dtype, verify=False, seed=0):
+    """Random q, a flat cache holding every request's range (anywhere, in any order) and the block table."""
+    g = torch.Generator().manual_seed(seed)
+    B, N = len(q_counts), sum(q_counts)
+    order = torch.randperm(B, generator=g).tolist()
+    bases, row = [0] * B, 3
+    for b in order:
+        bases[b], row = row, row + kv_lens[b] + 2
+    rand = lambda *shape: torch.randn(*shape, generator=g).to(dtype).to(DEVICE)
+    q, k_cache, v_cache = rand(N, heads, head_dim), rand(row, kv_heads, head_dim), rand(row, kv_heads, head_dim)
+    max_q, max_kv = max(q_counts), max(kv_lens)
+    table = BlockTable(cu_seqlens_q=cu_seqlens(q_counts, DEVICE), kv_start=torch.tensor(bases, device=DEVICE),
+                       kv_len=torch.tensor(kv_lens, device=DEVICE),
+                       slot_mapping=torch.zeros(N, dtype=torch.long, device=DEVICE),  # no cache write here
+                       max_q=max_q, max_kv=max_kv, track_rows=(torch.rand(N, generator=g) < 0.5).to(DEVICE))
+    if verify:  # every row sees itself, as in Flash-Verify, so that no row sees nothing
+        table.write_cache = False
+        table.hidden_keys = (torch.rand(B, max_kv, generator=g) < 0.3).to(DEVICE)
+        visible = (torch.rand(B, max_q, max_q, generator=g) < 0.5) | torch.eye(max_q, dtype=torch.bool)
+        table.self_visibility = visible.to(DEVICE)
+    return q, k_cache, v_cache, table
+
+
+def new_keys_and_values(q, k_cache, seed=1):
+    """The verify pass's own K, V [N, Hkv, D]."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(q.shape[0], *k_cache.shape[1:], generator=g).to(q.dtype).to(DEVICE) for _ in range(2))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES)
+def test_matches_reference(case, dtype):
+    q, k_cache, v_cache, table = make_batch(*CASES[case], dtype)
+    assert rel_err(flash_attention(q, k_cache, v_cache, table), ragged_attention_ref(q, k_cache, v_cache, table)) \
+        < BUDGET[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES)
+def test_key_mass_matches_reference(case, dtype):
+    q, k_cache, v_cache, table = make_batch(*CASES[case], dtype)
+    mass, mass_ref = (torch.rand(table.num_seqs, table.max_kv, device=DEVICE) for _ in range(2))
+    mass_ref.copy_(mass)  # accumulated into, not overwritten
+    out = flash_attention(q, k_cache, v_cache, table, key_mass=mass)
+    out_ref = ragged_attention_ref(q, k_cache, v_cache, table, key_mass=mass_ref)
+    assert rel_err(out, out_ref) < BUDGET[dtype]
+    assert rel_err(mass, mass_ref) < 1e-5  # fp32 probabilities from exact products, whatever the input dtype
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES)
+def test_verify_pass_matches_reference(case, dtype):
+    q, k_cache, v_cache, table = make_batch(*CASES[case], dtype, verify=True)
+    k_new, v_new = new_keys_and_values(q, k_cache)
+    out = flash_attention(q, k_cache, v_cache, table, k_new=k_new, v_new=v_new)
+    assert rel_err(out, ragged_attention_ref(q, k_cache, v_cache, table, k_new=k_new, v_new=v_new)) < BUDGET[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_verify_with_empty_or_fully_hidden_cache(dtype):
+    """Rows that see only the pass's own keys: the running max starts from those scores (no NaN)."""
+    q, k_cache, v_cache, table = make_batch([6, 4, 5], [0, 7, 9], 4, 1, 32, dtype, verify=True)
+    table.hidden_keys[1] = True  # request 1 hides its whole cache range; request 0 has none
+    k_new, v_new = new_keys_and_values(q, k_cache)
+    q = q * 30  # large scores: overflow shows up if the max misses the self part
+    out = flash_attention(q, k_cache, v_cache, table, k_new=k_new, v_new=v_new)
+    assert rel_err(out, ragged_attention_ref(q, k_cache, v_cache, table, k_new=k_new, v_new=v_new)) < BUDGET[dtype]
+
+
+def test_rows_that_see_no_key_get_zeros():
+    """An empty KV range outside the verify pass: 0, not NaN; the other request is unaffected."""
+    q, k_cache, v_cache, table = make_batch([3, 2], [0, 6], 2, 2, 16, torch.float32)
+    out = flash_attention(q, k_cache, v_cache, table)
+    assert torch.equal(out[:3], torch.zeros_like(out[:3]))
+    assert rel_err(out[3:], ragged_attention_ref(q, k_cache, v_cache, table)[3:]) < 1e-5
+
+
+def test_no_rows_and_verify_mass_refused():
+    q, k_cache, v_cache, table = make_batch([0, 0], [4, 0], 2, 2, 16, torch.float32)
+    assert flash_attention(q, k_cache, v_cache, table).shape == (0, 2, 16)
+    with pytest.raises(ValueError):
+        flash_attention(q, k_cache, v_cache, table, key_mass=torch.zeros(2, 4), k_new=q, v_new=q)

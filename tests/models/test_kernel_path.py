@@ -1,0 +1,25 @@
+"""The cached methods give the same tokens through the Triton kernels as through their PyTorch references
+(on the CPU the kernels run under the Triton interpreter)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flash_dllm import LLM, SamplingParams
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+PROMPTS = [[5, 9, 13, 7], [11, 4, 6, 8, 12, 3, 10]]
+METHODS = [dict(method="dual-cache"), dict(method="flash-cache", tracking_budget=4, mask_window=8),
+           dict(method="flash-verify", tracking_budget=4, mask_window=8), dict(method="elastic", mask_window=4)]
+
+
+@pytest.mark.parametrize("knobs", METHODS, ids=lambda k: k["method"])
+@pytest.mark.parametrize("checkpoint", ["gqa_checkpoint", "bias_checkpoint"])
+def test_kernels_give_the_reference_tokens(request, checkpoint, knobs):
+    params = SamplingParams(max_tokens=16, block_length=8, threshold=0.5, **knobs)
+    outputs = {}
+    for kernels in (False, True):
+        llm = LLM(request.getfixturevalue(checkpoint), device=DEVICE, dtype="float32", kernels=kernels)
+        outputs[kernels] = [out.token_ids for out in llm.generate(PROMPTS, params)]
+    assert outputs[True] == outputs[False]
