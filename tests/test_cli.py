@@ -52,3 +52,29 @@ def test_demo(capsys):
     assert main(["demo", "--device", "cpu", "--items", "2", "--methods", "parallel", "--tasks", "arith", "passkey"]) == 0
     table = capsys.readouterr().out
     assert "| parallel | arith | 2 |" in table and "| parallel | passkey@256 | 2 |" in table
+
+
+def test_eval_on_embedded_task(gqa_checkpoint, tmp_path, capsys):
+    output = tmp_path / "arith.jsonl"
+    assert main(["eval", "--task", "arith", "--model", str(gqa_checkpoint), "--device", "cpu", "--limit", "2",
+                 "--max-tokens", "16", "--block-length", "8", "--no-progress", "--output", str(output)]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["num_items"] == 2 and summary["sampling"]["max_tokens"] == 16
+    assert 0 <= summary["accuracy"] <= 1 and summary["tokens_per_s"] > 0
+    assert len(output.read_text().splitlines()) == 2
+    assert json.loads((tmp_path / "arith.summary.json").read_text()) == summary
+
+
+def test_sweep_command(gqa_checkpoint, tmp_path, capsys):
+    assert main(["sweep", "--task", "arith", "--model", str(gqa_checkpoint), "--device", "cpu", "--limit", "2",
+                 "--no-progress",
+                 "--methods", "parallel", "reference", "--threshold", "0.5", "--steps", "8",
+                 "--max-tokens", "16", "--block-length", "8", "--out-dir", str(tmp_path)]) == 0
+    table = capsys.readouterr().out
+    assert "| parallel thr=0.5 |" in table and "| reference steps=8 |" in table
+    assert (tmp_path / "sweep.png").is_file()
+
+
+def test_eval_errors(capsys):
+    assert main(["eval", "--task", "mbpp", "--data", "/nonexistent/mbpp.jsonl", "--device", "cpu"]) == 2
+    assert "does not exist" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""The `flash-dllm` command: generate, info, bench."""
+"""The `flash-dllm` command: generate, info, bench, demo, eval, sweep."""
 from __future__ import annotations
 
 import argparse
@@ -15,6 +15,12 @@ def add_model_args(parser: argparse.ArgumentParser):
                         help="checkpoint directory, or random:PRESET (default: the embedded model)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     parser.add_argument("--dtype", default=None, help="bfloat16, float16 or float32 (default: bf16 on GPU)")
+    parser.add_argument("--kernels", choices=["on", "off"], default=None,
+                        help="Triton kernels for the cached methods (default: on with CUDA); off = PyTorch reference")
+
+
+def kernels_flag(args) -> bool | None:
+    return None if args.kernels is None else args.kernels == "on"
 
 
 def add_sampling_args(parser: argparse.ArgumentParser):
@@ -34,7 +40,11 @@ def add_sampling_args(parser: argparse.ArgumentParser):
     g.add_argument("--tracking-budget", type=int,
                    help="flash-cache, flash-verify: decoded positions recomputed per step (beta_t, default 80)")
     g.add_argument("--mask-window", type=int,
-                   help="flash-cache, flash-verify: masked positions recomputed per step (beta_m, default 64)")
+                   help="flash-cache, flash-verify, elastic: masked positions recomputed per step "
+                        "(beta_m, default 64; elastic's window beta, default 16)")
+    g.add_argument("--drift-threshold", type=float,
+                   help="elastic: refresh from the first layer whose attention drift cosine is below this (0.9)")
+    g.add_argument("--track-num", type=int, help="elastic: most-attended decoded positions tracked per layer (1)")
     g.add_argument("--verify-threshold", type=float, help="flash-verify: acceptance threshold gamma (default 0.8)")
     g.add_argument("--acceptance", choices=ACCEPTANCE, help="flash-verify: sequential (default) or cumprod")
     g.add_argument("--draft-length", type=int, help="lossless: hypothesised steps verified per pass (default 4)")
@@ -47,7 +57,8 @@ def sampling_params_from_args(args) -> SamplingParams:
                           factor=args.factor, refresh_interval=args.refresh_interval,
                           tracking_budget=args.tracking_budget, mask_window=args.mask_window,
                           verify_threshold=args.verify_threshold, acceptance=args.acceptance,
-                          draft_length=args.draft_length)
+                          draft_length=args.draft_length, drift_threshold=args.drift_threshold,
+                          track_num=args.track_num)
 
 
 def read_prompts(args) -> list:
@@ -76,7 +87,8 @@ def cmd_generate(args):
 
     params = sampling_params_from_args(args)
     prompts = read_prompts(args)
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_batch_size=args.batch_size,
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, kernels=kernels_flag(args),
+              max_batch_size=args.batch_size,
               chat_template=False if args.no_chat_template else None)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
@@ -125,7 +137,7 @@ def cmd_bench(args):
     from .bench.step import bench_step
     from .llm import LLM
 
-    llm = LLM(args.model, device=args.device, dtype=args.dtype)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, kernels=kernels_flag(args))
     device_name = torch.cuda.get_device_name(llm.device) if llm.device.type == "cuda" else "cpu"
     print(f"# bench {args.bench}: {args.model} on {device_name}, {llm.dtype}")
     if args.bench == "forward":
@@ -153,6 +165,7 @@ DEMO_METHODS = {
     "dual-cache": dict(method="dual-cache", threshold=0.9),
     "flash-cache": dict(method="flash-cache", threshold=0.9),
     "flash-verify": dict(method="flash-verify", threshold=0.9),
+    "elastic": dict(method="elastic", threshold=0.9),
     "lossless": dict(method="lossless"),
 }
 
@@ -163,7 +176,8 @@ def cmd_demo(args):
     from .llm import LLM
     from .tasks import load_test_set
 
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_batch_size=args.batch_size)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, kernels=kernels_flag(args),
+              max_batch_size=args.batch_size)
     items = {}
     for task in args.tasks:
         test_set = load_test_set(task)
@@ -184,7 +198,74 @@ def cmd_demo(args):
                           "tokens/s"), rows))
 
 
+EVAL_TASKS = ("gsm8k", "math500", "humaneval", "mbpp", "arith", "trace", "passkey")
+
+
+def add_eval_args(parser: argparse.ArgumentParser):
+    parser.add_argument("--task", required=True, choices=EVAL_TASKS)
+    parser.add_argument("--data", help="mbpp: a local jsonl in the standard MBPP format (else the Hugging Face hub)")
+    parser.add_argument("--limit", type=int, help="the first N items only")
+    parser.add_argument("--batch-size", type=int, default=32, help="most requests decoded together")
+    parser.add_argument("--no-chat-template", action="store_true", help="plain few-shot text prompts")
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def load_eval_llm(args, ctx):
+    """The LLM of an eval or sweep, on this rank's device under torchrun."""
+    from .llm import LLM
+
+    return LLM(args.model, device=args.device or ctx.device, dtype=args.dtype, kernels=kernels_flag(args),
+               max_batch_size=args.batch_size,
+               chat_template=False if args.no_chat_template else None)
+
+
+def cmd_eval(args):
+    from .eval.benchmarks import get_benchmark
+    from .eval.distributed import init_from_env, shutdown
+    from .eval.harness import evaluate, summary_path, write_result
+
+    if args.max_tokens is None:  # the field's generation length for the task
+        args.max_tokens = get_benchmark(args.task).max_tokens
+    params = sampling_params_from_args(args)
+    ctx = init_from_env()
+    try:
+        llm = load_eval_llm(args, ctx)
+        result = evaluate(llm, args.task, params, data=args.data, limit=args.limit, ctx=ctx,
+                          progress=not args.no_progress)
+        if ctx.is_main:
+            if args.output:
+                write_result(result, args.output)
+                print(f"wrote {args.output} and {summary_path(args.output)}", file=sys.stderr)
+            print(json.dumps(result.summary, indent=2))
+    finally:
+        shutdown(ctx)
+
+
+def cmd_sweep(args):
+    from .eval.benchmarks import get_benchmark
+    from .eval.distributed import init_from_env, shutdown
+    from .eval.sweep import KNOBS, grid, run_sweep
+
+    knobs = {name: getattr(args, name) or [] for name in KNOBS}
+    max_tokens = args.max_tokens or get_benchmark(args.task).max_tokens
+    points = grid(args.methods, knobs, max_tokens=max_tokens, block_length=args.block_length,
+                  temperature=args.temperature, seed=args.seed)
+    ctx = init_from_env()
+    try:
+        llm = load_eval_llm(args, ctx)
+        rows = run_sweep(llm, args.task, points, args.out_dir, data=args.data, limit=args.limit, ctx=ctx,
+                         progress=not args.no_progress)
+        if ctx.is_main:
+            print((Path(args.out_dir) / "sweep.md").read_text())
+            print(f"{len(rows)} points: wrote {args.out_dir}/sweep.png, sweep.md, sweep.json and points/",
+                  file=sys.stderr)
+    finally:
+        shutdown(ctx)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from .eval.sweep import KNOBS as SWEEP_KNOBS
+
     parser = argparse.ArgumentParser(prog="flash-dllm", description="Fast inference for diffusion language models")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -209,6 +290,28 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--block-length", type=int, default=32)
     demo.add_argument("--batch-size", type=int, default=32)
     demo.set_defaults(func=cmd_demo)
+
+    ev = sub.add_parser("eval", help="accuracy and speed of one method on a benchmark (torchrun: data-parallel)")
+    add_model_args(ev)
+    add_eval_args(ev)
+    add_sampling_args(ev)
+    ev.set_defaults(max_tokens=None)  # default: the task's (gsm8k 256, math500/humaneval/mbpp 512, embedded 128)
+    ev.add_argument("--output", help="per-item results (.jsonl); the summary goes beside it as .summary.json")
+    ev.set_defaults(func=cmd_eval)
+
+    sweep = sub.add_parser("sweep", help="a grid of methods and knobs on one task: Pareto plot and table")
+    add_model_args(sweep)
+    add_eval_args(sweep)
+    sweep.add_argument("--methods", nargs="+", default=["parallel", "dual-cache", "flash-verify"], choices=METHODS)
+    sweep.add_argument("--max-tokens", type=int, help="generation length (default: the task's)")
+    sweep.add_argument("--block-length", type=int, default=32)
+    sweep.add_argument("--temperature", type=float, default=0.0)
+    sweep.add_argument("--seed", type=int, default=0)
+    knobs = sweep.add_argument_group("knob values (each varies only for the methods that read it)")
+    for name, kind in SWEEP_KNOBS.items():
+        knobs.add_argument("--" + name.replace("_", "-"), type=kind, nargs="+", metavar=name.upper())
+    sweep.add_argument("--out-dir", default="sweep", help="sweep.png, sweep.md, sweep.json and points/*.jsonl")
+    sweep.set_defaults(func=cmd_sweep)
 
     info = sub.add_parser("info", help="print a model's configuration, parameter count and KV bytes per token")
     info.add_argument("--model", default=None)

@@ -1,0 +1,91 @@
+"""The evaluation loop: prompts through the engine in batches, scoring as outputs arrive, a progress bar with
+running accuracy and tokens/s, then per-item records and a summary (written as jsonl + json)."""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ..sampling_params import SamplingParams
+from .benchmarks import get_benchmark
+from .distributed import DistContext, all_gather, shard
+
+# Prompts per generate call, in batches: within a call the engine refills finished rows with waiting requests;
+# between calls the progress bar and running accuracy update.
+BATCHES_PER_CALL = 4
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    records: list[dict]  # one per item, in benchmark order
+    summary: dict
+
+
+def evaluate(llm, task: str, params: SamplingParams, *, data: str | None = None, limit: int | None = None,
+             ctx: DistContext = DistContext(), progress: bool = True, warmup: bool = True) -> EvalResult:
+    """Decode and score `task` with one method; under torch.distributed each rank takes a shard and every
+    rank returns the merged result. Tokens/s counts generated tokens up to the first eos/eot over the wall
+    time of generation (no warm-up, no scoring); across ranks, over the slowest rank's time."""
+    benchmark = get_benchmark(task)
+    chat, batch_size = llm.use_chat_template, llm.engine.scheduler.max_batch_size
+    examples = shard(benchmark.examples(chat, data, limit), ctx)
+    if warmup and examples:  # first-call allocations and kernel selection stay out of the timing
+        llm.generate(examples[0].prompt, params)
+    records, gen_time = [], 0.0
+    bar = None
+    if progress and ctx.is_main:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(examples), desc=task, unit="item", dynamic_ncols=True)
+    step = batch_size * BATCHES_PER_CALL
+    for start in range(0, len(examples), step):
+        chunk = examples[start:start + step]
+        begin = time.perf_counter()
+        outputs = llm.generate([e.prompt for e in chunk], params)
+        gen_time += time.perf_counter() - begin
+        verdicts = benchmark.score([e.doc for e in chunk], [out.text for out in outputs], chat)
+        records += [_record(e, out, v) for e, out, v in zip(chunk, outputs, verdicts)]
+        if bar is not None:
+            bar.update(len(chunk))
+            bar.set_postfix(acc=f"{sum(r['correct'] for r in records) / len(records):.3f}",
+                            tok_s=f"{sum(r['num_tokens'] for r in records) / gen_time:.1f}")
+    if bar is not None:
+        bar.close()
+    shards = all_gather((records, gen_time), ctx)
+    merged = sorted((r for rank_records, _ in shards for r in rank_records), key=lambda r: r["index"])
+    slowest = max(t for _, t in shards)
+    summary = summarize(merged, slowest, task=task, model=str(llm.path or "random weights"), params=params,
+                        batch_size=batch_size, world_size=ctx.world_size, chat_template=chat, limit=limit)
+    return EvalResult(merged, summary)
+
+
+def _record(example, out, verdict) -> dict:
+    return {"index": example.index, "id": example.id, "prompt": example.prompt, "output": out.text,
+            "extracted": verdict.extracted, "target": example.target, "correct": verdict.correct,
+            "num_tokens": len(out.token_ids), "nfe": out.nfe, "steps": out.steps, "time_s": out.time_s,
+            "finish_reason": out.finish_reason}
+
+
+def summarize(records: list[dict], gen_time: float, *, params: SamplingParams, **fields) -> dict:
+    n = max(len(records), 1)
+    tokens = sum(r["num_tokens"] for r in records)
+    return {**fields, "num_items": len(records), "num_correct": sum(r["correct"] for r in records),
+            "accuracy": sum(r["correct"] for r in records) / n,
+            "tokens_per_s": tokens / gen_time if gen_time > 0 else 0.0,
+            "tokens_per_step": tokens / max(sum(r["steps"] for r in records), 1),
+            "nfe": sum(r["nfe"] for r in records) / n, "steps": sum(r["steps"] for r in records) / n,
+            "num_tokens": tokens, "generation_time_s": gen_time, "sampling": asdict(params)}
+
+
+def summary_path(output: str | Path) -> Path:
+    """results.jsonl -> results.summary.json"""
+    output = Path(output)
+    return output.with_name(output.stem + ".summary.json")
+
+
+def write_result(result: EvalResult, output: str | Path):
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text("".join(json.dumps(r) + "\n" for r in result.records))
+    summary_path(output).write_text(json.dumps(result.summary, indent=2) + "\n")
