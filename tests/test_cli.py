@@ -78,3 +78,21 @@ def test_sweep_command(gqa_checkpoint, tmp_path, capsys):
 def test_eval_errors(capsys):
     assert main(["eval", "--task", "mbpp", "--data", "/nonexistent/mbpp.jsonl", "--device", "cpu"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_bench_step_on_cpu(capsys):
+    assert main(["bench", "step", "--model", "random:llada-tiny", "--device", "cpu", "--batch-sizes", "1", "2",
+                 "--methods", "reference", "dual-cache", "flash-verify", "--prompt-length", "16", "--max-tokens", "16",
+                 "--block-length", "8", "--flash-block-length", "8", "--warmup", "1", "--iters", "2"]) == 0
+    captured = capsys.readouterr()
+    lines = [line.strip("| ").split(" | ") for line in captured.out.splitlines() if line.startswith("| ")]
+    header, rows = lines[0], [dict(zip(lines[0], line)) for line in lines[1:]]
+    assert header[:7] == ["method", "batch", "block", "ms/iter", "tokens/iter/req", "query rows/iter/req",
+                          "passes/iter"]
+    assert header[-3:] == ["tok/s @1.0", "tok/s @2.8", "tok/s @5.7"]
+    assert [(r["method"], r["batch"]) for r in rows] == [(m, b) for m in ("reference", "dual-cache", "flash-verify")
+                                                         for b in ("1", "2")]
+    assert all(r["tokens/iter/req"] == "1.00" for r in rows) and "warning" not in captured.err  # forced schedule
+    rows_of = {(r["method"], r["batch"]): float(r["query rows/iter/req"]) for r in rows}
+    assert all(rows_of["dual-cache", b] < rows_of["reference", b] == 32 for b in ("1", "2"))
+    assert all(r["passes/iter"] == "2.00" for r in rows if r["method"] == "flash-verify")  # draft + verify

@@ -133,8 +133,8 @@ def cmd_info(args):
 def cmd_bench(args):
     import torch
 
-    from .bench.forward import bench_forward, format_table, markdown_table
-    from .bench.step import bench_step
+    from .bench.forward import bench_forward, format_table
+    from .bench.step import bench_step, format_table as format_step_table
     from .llm import LLM
 
     llm = LLM(args.model, device=args.device, dtype=args.dtype, kernels=kernels_flag(args))
@@ -146,15 +146,26 @@ def cmd_bench(args):
                    for rows in (None, args.block_length)]  # the reference code's full LM head, then ours
         print(format_table(results))
         return
-    params = sampling_params_from_args(args)
-    results = [bench_step(llm, params, batch, args.prompt_length, iters=args.iters) for batch in args.batch_sizes]
-    header = ("method", "batch", "prompt", "gen", "ms/step", "tokens/step/request", "floor ms", "x floor",
-              "tokens/s", "peak GB")
-    print(markdown_table(header, [
-        (r.method, r.batch, r.prompt, r.gen, f"{r.ms_per_step:.2f}", f"{r.tokens_per_step:.2f}",
-         f"{r.floor_ms:.2f}", f"{r.ratio:.2f}", f"{r.batch * r.tokens_per_step / r.ms_per_step * 1e3:.0f}",
-         f"{r.peak_gb:.1f}") for r in results]))
+    print(f"# prompt {args.prompt_length}, generation {args.max_tokens}, {args.warmup} warm-up + {args.iters} "
+          f"timed iterations; kernels {'on' if llm.model.use_kernels else 'off'}")
+    results = []
+    for method in args.methods:
+        flash = method in ("flash-cache", "flash-verify")
+        params = SamplingParams(method=method, max_tokens=args.max_tokens,
+                                block_length=args.flash_block_length if flash else args.block_length)
+        for batch in args.batch_sizes:
+            results.append(bench_step(llm, params, batch, args.prompt_length, args.warmup, args.iters))
+            r = results[-1]  # progress, in case a long run is cut short
+            print(f"{method} batch {batch}: {r.ms_per_iter:.2f} ms/iter, {r.query_rows:.0f} query rows, "
+                  f"{r.ratio:.2f}x floor", file=sys.stderr, flush=True)
+    if not all(r.forced for r in results):
+        print("warning: some method decoded other than 1 token per iteration; the work is not identical "
+              "across methods (a trained model?)", file=sys.stderr)
+    print(format_step_table(results))
 
+
+# The methods `bench step` compares by default (issue 5).
+BENCH_METHODS = ("reference", "prefix-cache", "dual-cache", "elastic", "flash-cache", "flash-verify")
 
 # The decoding methods `demo` compares, each with its default settings.
 DEMO_METHODS = {
@@ -327,13 +338,19 @@ def build_parser() -> argparse.ArgumentParser:
     forward.add_argument("--block-length", type=int, default=32, help="LM-head rows of the engine's variant")
     forward.add_argument("--iters", type=int, default=10)
     forward.set_defaults(func=cmd_bench)
-    step = bench_sub.add_parser("step", help="the engine's denoising step per batch size")
+    step = bench_sub.add_parser("step", help="one decoding iteration per method and batch size (forced schedule)")
     add_model_args(step)
-    add_sampling_args(step)
-    step.set_defaults(model="random:llada-8b", method="reference")
-    step.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
+    step.set_defaults(model="random:llada-8b")
+    step.add_argument("--methods", nargs="+", choices=METHODS, default=list(BENCH_METHODS))
+    step.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 16, 32])
     step.add_argument("--prompt-length", type=int, default=256)
-    step.add_argument("--iters", type=int, default=20)
+    step.add_argument("--max-tokens", type=int, default=512, help="generation length")
+    step.add_argument("--block-length", type=int, default=32)
+    step.add_argument("--flash-block-length", type=int, default=16,
+                      help="block length of flash-cache and flash-verify")
+    step.add_argument("--warmup", type=int, default=4, help="untimed iterations first")
+    step.add_argument("--iters", type=int, default=64,
+                      help="timed iterations; a multiple of the block lengths times each cache refresh at its rate")
     step.set_defaults(func=cmd_bench)
     return parser
 

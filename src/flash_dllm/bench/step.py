@@ -1,65 +1,119 @@
-"""`flash-dllm bench step`: the engine's denoising step (forward, sampling, unmasking, bookkeeping)
-on a batch of equal requests, against the floor of its forward."""
+"""`flash-dllm bench step`: the engine's decoding iteration (forward passes, sampling, unmasking,
+bookkeeping) per method and batch size, against the roofline floor of the work it did.
+
+Forced schedule: with a random-weight model the confidences are flat, so no position reaches a
+threshold and every threshold rule decodes its minimum of one token per iteration, `reference` decodes
+one per step (steps = max_tokens), and Flash-Verify's verify pass accepts nothing (its iteration is
+draft + verify and still decodes one). The decoding work is then identical across methods, which differ
+only in the query rows (and passes) an iteration computes. Stop tokens are ignored so that no request
+finishes early. The measured tokens per iteration are reported; `forced` says whether they were 1.
+"""
 from __future__ import annotations
 
+import dataclasses
+import math
 import time
 from dataclasses import dataclass
 
 import torch
 
+from ..cache import KVCache
+from ..engine.llm_engine import LLMEngine
 from ..sampling_params import SamplingParams
-from .roofline import floor_seconds, forward_flops
+from .forward import markdown_table
+from .roofline import floor_seconds, iteration_cost, weight_bytes_read
+
+MODELLED_TOKENS_PER_ITER = (1.0, 2.8, 5.7)  # tokens/s as if each iteration decoded this many per request
 
 
 @dataclass(frozen=True)
 class StepResult:
     method: str
     batch: int
-    prompt: int
-    gen: int
-    ms_per_step: float
-    tokens_per_step: float
-    floor_ms: float
+    block: int
+    ms_per_iter: float
+    tokens_per_iter: float  # per request, measured
+    query_rows: float       # per request and iteration, from the engine's counters
+    passes: float           # forward passes per request and iteration
+    bytes_floor_ms: float
+    flops_floor_ms: float
     peak_gb: float
 
     @property
+    def floor_ms(self) -> float:
+        return max(self.bytes_floor_ms, self.flops_floor_ms)
+
+    @property
     def ratio(self) -> float:
-        return self.ms_per_step / self.floor_ms
+        return self.ms_per_iter / self.floor_ms
+
+    @property
+    def forced(self) -> bool:
+        return self.tokens_per_iter == 1.0
+
+    def tokens_per_s(self, tokens_per_iter: float) -> float:
+        return self.batch * tokens_per_iter / (self.ms_per_iter * 1e-3)
 
 
-def bench_step(llm, params: SamplingParams, batch: int, prompt_length: int, warmup: int = 3,
-               iters: int = 20, seed: int = 0) -> StepResult:
-    """Steady-state time per step: `iters` consecutive engine steps after `warmup` steps, timed as one
-    span with a synchronisation at each end (each step already syncs once to retire finished rows)."""
-    cfg, engine = llm.config, llm.engine
+def bench_step(llm, params: SamplingParams, batch: int, prompt_length: int, warmup: int = 4,
+               iters: int = 64, seed: int = 0) -> StepResult:
+    """Steady-state time per iteration: `iters` consecutive engine steps after `warmup` steps, timed as one
+    span with a synchronisation at each end (each step already syncs once to retire finished rows). With one
+    token per iteration, `iters` a multiple of the block length times a cache refresh at its true rate.
+
+    Each call runs a fresh engine whose KV cache holds exactly this batch, so the peak memory is weights +
+    that cache + the step's working memory; the engine is dropped unfinished (finishing is not timed)."""
+    cfg, device = llm.config, llm.device
+    if warmup < 1 or iters < 1:  # the first step builds the batch (and makes the one-off full first pass)
+        raise ValueError(f"warmup and iters must be at least 1, got {warmup} and {iters}")
+    if warmup + iters > params.max_tokens:
+        raise ValueError(f"warmup + iters ({warmup + iters}) must not exceed max_tokens ({params.max_tokens}): "
+                         f"the requests would finish inside the timed span")
+    length = prompt_length + params.max_tokens
     generator = torch.Generator().manual_seed(seed)
     prompts = torch.randint(0, cfg.vocab_size, (batch, prompt_length), generator=generator)
     prompts[prompts == llm.special.mask_id] = llm.special.pad_id
-    seqs = [engine.add_request(p.tolist(), params) for p in prompts]
-    if llm.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(llm.device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    cache_bytes = batch * length * KVCache.bytes_per_row(cfg, llm.dtype, with_hidden=params.method == "elastic")
+    engine = LLMEngine(llm.model, dataclasses.replace(llm.special, stop_ids=()), batch, cache_bytes)
+    for p in prompts:
+        engine.add_request(p.tolist(), params)
     for _ in range(warmup):
         engine.step()
-    decoded_before = _decoded(engine, llm.special.mask_id)
-    sync = torch.cuda.synchronize if llm.device.type == "cuda" else (lambda: None)
+    before = _counters(engine, llm.special.mask_id)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
     start = time.perf_counter()
     for _ in range(iters):
         engine.step()
     sync()
     ms = (time.perf_counter() - start) * 1e3 / iters
-    tokens = (_decoded(engine, llm.special.mask_id) - decoded_before) / (iters * batch)
-    peak = torch.cuda.max_memory_allocated(llm.device) / 1e9 if llm.device.type == "cuda" else float("nan")
-    while engine.has_unfinished():  # leave the engine empty; finishing is not timed
-        engine.step()
-    assert all(seq.is_finished for seq in seqs)
-    weight_bytes = sum(p.numel() * p.element_size() for p in llm.model.parameters())
-    flops = forward_flops(cfg, batch, prompt_length + params.max_tokens, params.block_length)
-    flops *= 2 if params.guidance > 0 else 1
-    return StepResult(params.method, batch, prompt_length, params.max_tokens, ms, tokens,
-                      floor_seconds(weight_bytes, flops)[2] * 1e3, peak)
+    tokens, rows, passes = ((after - b) / (iters * batch)
+                            for after, b in zip(_counters(engine, llm.special.mask_id), before))
+    peak = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else float("nan")
+    num_bytes, flops = iteration_cost(cfg, batch, length, rows, passes, weight_bytes_read(llm.model),
+                                      KVCache.bytes_per_row(cfg, llm.dtype))
+    memory_s, compute_s, _ = floor_seconds(num_bytes, flops)
+    return StepResult(params.method, batch, params.block_length, ms, tokens, rows, passes,
+                      memory_s * 1e3, compute_s * 1e3, peak)
 
 
-def _decoded(engine, mask_id: int) -> int:
+def _counters(engine, mask_id: int) -> tuple[int, int, int]:
+    """Decoded generated tokens, query rows and forward passes so far, summed over the batch. An elastic
+    refresh is not a pass here (its weight re-read is left out of the floor); its rows count at full depth."""
     batch = engine.batch
-    return int((batch.tokens[:, batch.gen_start:] != mask_id).sum())
+    decoded = int((batch.tokens[:, batch.gen_start:] != mask_id).sum())
+    return decoded, sum(seq.query_rows for seq in batch.seqs), int(batch.nfe.sum())
+
+
+def format_table(results: list[StepResult]) -> str:
+    header = ("method", "batch", "block", "ms/iter", "tokens/iter/req", "query rows/iter/req", "passes/iter",
+              "bytes floor ms", "FLOP floor ms", "x floor", "peak GB",
+              *(f"tok/s @{k}" for k in MODELLED_TOKENS_PER_ITER))
+    rows = [(r.method, r.batch, "-" if r.method == "elastic" else r.block,  # elastic has no blocks
+             f"{r.ms_per_iter:.2f}", f"{r.tokens_per_iter:.2f}", f"{r.query_rows:.0f}", f"{r.passes:.2f}",
+             f"{r.bytes_floor_ms:.3g}", f"{r.flops_floor_ms:.3g}", f"{r.ratio:.2f}",
+             "-" if math.isnan(r.peak_gb) else f"{r.peak_gb:.1f}",  # nan: not on a GPU
+             *(f"{r.tokens_per_s(k):.0f}" for k in MODELLED_TOKENS_PER_ITER)) for r in results]
+    return markdown_table(header, rows)
