@@ -12,9 +12,7 @@ import time
 import torch
 
 from ..cache import CacheAllocator, KVCache
-from ..decoding.elastic import initial_position_state as elastic_state
-from ..decoding.flash_cache import initial_position_state
-from ..decoding.lossless import initial_position_state as lossless_state
+from ..decoding import elastic, flash_cache, lossless
 from ..decoding.step import denoise_step
 from ..sampling_params import SamplingParams
 from ..tokenizer import SpecialTokens
@@ -22,6 +20,11 @@ from .batch import DecodeBatch
 from .scheduler import Scheduler
 from .sequence import Sequence, SequenceStatus
 
+
+# Methods that keep state per position (tracking, windows, drafts): its initial value for a new sequence.
+POSITION_STATE = {"flash-cache": flash_cache.initial_position_state,
+                  "flash-verify": flash_cache.initial_position_state,
+                  "elastic": elastic.initial_position_state, "lossless": lossless.initial_position_state}
 
 class LLMEngine:
     def __init__(self, model, special: SpecialTokens, max_batch_size: int = 32, kv_cache_bytes: int | None = None):
@@ -108,12 +111,8 @@ class LLMEngine:
             masks = torch.full((seq.params.max_tokens,), self.special.mask_id, device=self.device)
             seq.tokens = torch.cat([prompt, masks])
             seq.counters = torch.zeros(4, dtype=torch.long, device=self.device)
-            if seq.params.method in ("flash-cache", "flash-verify"):
-                seq.position_state = initial_position_state(seq.length, self.device)
-            elif seq.params.method == "elastic":
-                seq.position_state = elastic_state(seq.length, self.device)
-            elif seq.params.method == "lossless":
-                seq.position_state = lossless_state(seq.length, self.device)
+            if seq.params.method in POSITION_STATE:
+                seq.position_state = POSITION_STATE[seq.params.method](seq.length, self.device)
             seq.status = SequenceStatus.RUNNING
             seq.start_time = time.perf_counter()
         rows = running + admitted
