@@ -74,10 +74,16 @@ def _slug(label: str) -> str:
     return re.sub(r"[^A-Za-z0-9.=-]+", "_", label)
 
 
+def _by_speed(rows: list[dict]) -> list[dict]:
+    """The rows fastest first: the order of the table, whose row numbers label the plot's points."""
+    return sorted(rows, key=lambda r: -r["tokens_per_s"])
+
+
 def markdown_table(rows: list[dict]) -> str:
-    lines = ["| method and knobs | accuracy % | tokens/s | tokens/step | NFE | Pareto |", "|---|---|---|---|---|---|"]
-    for row in sorted(rows, key=lambda r: -r["tokens_per_s"]):
-        lines.append(f"| {row['label']} | {100 * row['accuracy']:.1f} | {row['tokens_per_s']:.1f} | "
+    lines = ["| method and knobs | # | accuracy % | tokens/s | tokens/step | NFE | Pareto |",
+             "|---|---|---|---|---|---|---|"]
+    for number, row in enumerate(_by_speed(rows), 1):
+        lines.append(f"| {row['label']} | {number} | {100 * row['accuracy']:.1f} | {row['tokens_per_s']:.1f} | "
                      f"{row['tokens_per_step']:.2f} | {row['nfe']:.1f} | {'yes' if row['pareto'] else ''} |")
     return "\n".join(lines) + "\n"
 
@@ -90,13 +96,17 @@ def plot(rows: list[dict], path: str | Path, title: str):
 
     fig, ax = plt.subplots(figsize=(8, 5.5))
     front = sorted((r for r in rows if r["pareto"]), key=lambda r: r["tokens_per_s"])
-    rest = [r for r in rows if not r["pareto"]]
-    ax.scatter([r["tokens_per_s"] for r in rest], [100 * r["accuracy"] for r in rest], color="tab:gray",
-               label="dominated")
-    ax.plot([r["tokens_per_s"] for r in front], [100 * r["accuracy"] for r in front], "o-", color="tab:red",
-            label="Pareto front")
-    for row in rows:
-        ax.annotate(row["label"], (row["tokens_per_s"], 100 * row["accuracy"]), textcoords="offset points",
+    ax.plot([r["tokens_per_s"] for r in front], [100 * r["accuracy"] for r in front], "-", color="tab:red",
+            alpha=0.5, label="Pareto front", zorder=1)
+    methods = list(dict.fromkeys(r["label"].split()[0] for r in rows))
+    for color, method in zip(plt.get_cmap("tab10").colors, methods):
+        mine = [r for r in rows if r["label"].split()[0] == method]
+        ax.scatter([r["tokens_per_s"] for r in mine], [100 * r["accuracy"] for r in mine], color=color,
+                   label=method, zorder=2)
+    # Full labels overlap where points crowd; numbers point to the table (sweep.md), Pareto points get both.
+    for number, row in enumerate(_by_speed(rows), 1):
+        text = f"{number}: {row['label']}" if row["pareto"] else str(number)
+        ax.annotate(text, (row["tokens_per_s"], 100 * row["accuracy"]), textcoords="offset points",
                     xytext=(4, 4), fontsize=7)
     ax.set_xlabel("tokens/s")
     ax.set_ylabel("accuracy %")
