@@ -10,8 +10,8 @@ python -c 'import torch, triton, transformers; print("torch", torch.__version__,
 python -m pytest -q -p no:cacheprovider tests 2>&1 | tail -3 | tee "$OUT/pytest.txt"
 python benchmarks/gpu_check.py 2>&1 | tee "$OUT/gpu_check.txt"
 cli bench forward --model random:llada-8b --batch-sizes 1 32 --length 512 --iters 10 2>&1 | tee "$OUT/forward.txt"
-cli bench step --model random:llada-8b --method reference --batch-sizes 1 32 --prompt-length 256 \
-    --max-tokens 256 --block-length 32 --iters 20 2>&1 | tee "$OUT/step_reference.txt"
-cli bench step --model random:llada-8b --method parallel --batch-sizes 1 --prompt-length 256 \
-    --max-tokens 256 --block-length 32 --iters 20 2>&1 | tee "$OUT/step_parallel.txt"
+cli bench step --model random:llada-8b --methods reference --batch-sizes 1 32 --prompt-length 256 \
+    --max-tokens 256 --block-length 32 --iters 32 2>&1 | tee "$OUT/step_reference.txt"
+cli bench step --model random:llada-8b --methods parallel --batch-sizes 1 --prompt-length 256 \
+    --max-tokens 256 --block-length 32 --iters 32 2>&1 | tee "$OUT/step_parallel.txt"
 echo "=== summary"; cat "$OUT/gpu_check.txt" "$OUT/forward.txt" "$OUT/step_reference.txt" "$OUT/step_parallel.txt"
