@@ -19,8 +19,12 @@ def add_model_args(parser: argparse.ArgumentParser):
                         help="Triton kernels for the cached methods (default: on with CUDA); off = PyTorch reference")
 
 
-def kernels_flag(args) -> bool | None:
-    return None if args.kernels is None else args.kernels == "on"
+def llm_from_args(args, default_device: str | None = None, **options):
+    """The LLM that add_model_args' options name (`options`: LLM's other arguments)."""
+    from .llm import LLM
+
+    kernels = None if args.kernels is None else args.kernels == "on"
+    return LLM(args.model, device=args.device or default_device, dtype=args.dtype, kernels=kernels, **options)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser):
@@ -83,13 +87,10 @@ def read_prompts(args) -> list:
 
 
 def cmd_generate(args):
-    from .llm import LLM
-
     params = sampling_params_from_args(args)
     prompts = read_prompts(args)
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, kernels=kernels_flag(args),
-              max_batch_size=args.batch_size,
-              chat_template=False if args.no_chat_template else None)
+    llm = llm_from_args(args, max_batch_size=args.batch_size,
+                        chat_template=False if args.no_chat_template else None)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
     wall = time.perf_counter() - start
@@ -135,9 +136,8 @@ def cmd_bench(args):
 
     from .bench.forward import bench_forward, format_table
     from .bench.step import bench_step, format_table as format_step_table
-    from .llm import LLM
 
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, kernels=kernels_flag(args))
+    llm = llm_from_args(args)
     device_name = torch.cuda.get_device_name(llm.device) if llm.device.type == "cuda" else "cpu"
     print(f"# bench {args.bench}: {args.model} on {device_name}, {llm.dtype}")
     if args.bench == "forward":
@@ -184,11 +184,9 @@ DEMO_METHODS = {
 def cmd_demo(args):
     from .bench.forward import markdown_table
     from .eval.embedded import run_task
-    from .llm import LLM
     from .tasks import load_test_set
 
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, kernels=kernels_flag(args),
-              max_batch_size=args.batch_size)
+    llm = llm_from_args(args, max_batch_size=args.batch_size)
     items = {}
     for task in args.tasks:
         test_set = load_test_set(task)
@@ -223,11 +221,8 @@ def add_eval_args(parser: argparse.ArgumentParser):
 
 def load_eval_llm(args, ctx):
     """The LLM of an eval or sweep, on this rank's device under torchrun."""
-    from .llm import LLM
-
-    return LLM(args.model, device=args.device or ctx.device, dtype=args.dtype, kernels=kernels_flag(args),
-               max_batch_size=args.batch_size,
-               chat_template=False if args.no_chat_template else None)
+    return llm_from_args(args, ctx.device, max_batch_size=args.batch_size,
+                         chat_template=False if args.no_chat_template else None)
 
 
 def cmd_eval(args):

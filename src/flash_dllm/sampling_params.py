@@ -168,6 +168,11 @@ class SamplingParams:
         return self.method in CACHED_METHODS
 
     @property
+    def caches_hidden_states(self) -> bool:
+        """Elastic-Cache's layer-aware refresh reads each layer's cached input hidden states."""
+        return self.method == "elastic"
+
+    @property
     def uses_random_remasking(self) -> bool:
         return self.remasking == "random"
 

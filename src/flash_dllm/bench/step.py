@@ -75,7 +75,7 @@ def bench_step(llm, params: SamplingParams, batch: int, prompt_length: int, warm
     prompts[prompts == llm.special.mask_id] = llm.special.pad_id
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    cache_bytes = batch * length * KVCache.bytes_per_row(cfg, llm.dtype, with_hidden=params.method == "elastic")
+    cache_bytes = batch * length * KVCache.bytes_per_row(cfg, llm.dtype, with_hidden=params.caches_hidden_states)
     engine = LLMEngine(llm.model, dataclasses.replace(llm.special, stop_ids=()), batch, cache_bytes)
     for p in prompts:
         engine.add_request(p.tolist(), params)

@@ -75,7 +75,7 @@ class LLMEngine:
         if budget is None:  # default: 40% of free GPU memory, or 1 GiB of host memory
             budget = int(0.4 * torch.cuda.mem_get_info(self.device)[0]) if self.device.type == "cuda" else 1 << 30
         self.cache = KVCache.from_budget(self.model.config, budget, self.dtype, self.device,
-                                         with_hidden=params.method == "elastic")
+                                         with_hidden=params.caches_hidden_states)
         self.allocator = CacheAllocator(self.cache.num_rows)
 
     def _reserve(self, seq: Sequence) -> bool:
