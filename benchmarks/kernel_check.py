@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from flash_dllm.cache.block_table import BlockTable, cu_seqlens
 from flash_dllm.kernels.attention import ragged_attention_ref
 from flash_dllm.kernels.flash_attention import flash_attention
-from flash_dllm.kernels.fused_qkv_rope import fused_qkv_rope, fused_qkv_rope_ref
+from flash_dllm.kernels.fused_qkv_rope import fused_qkv_rope, fused_qkv_rope_ref, qkv_rope
 from flash_dllm.models.llada import apply_rotary, rotary_cos_sin
 
 D_MODEL, HEADS, HEAD_DIM, KV_LEN, THETA = 4096, 32, 128, 768, 500000.0
@@ -65,8 +65,14 @@ def check_fused(batch, rows):
         caches[3][slot_mapping] = v_.view(N, HEADS, HEAD_DIM)
         return q_
 
+    baselines = [("unfused", median_ms(unfused)), ("cuBLAS matmul alone", median_ms(lambda: F.linear(x, weight)))]
     report(f"fused qkv+rope  B={batch} N={N}", err, median_ms(lambda: fused_qkv_rope(*args(caches[0], caches[1]))),
-           [("unfused", median_ms(unfused)), ("cuBLAS matmul alone", median_ms(lambda: F.linear(x, weight)))])
+           baselines)
+    q = qkv_rope(*args(caches[0], caches[1]))  # the model's entry: the fused kernel, or GEMM + epilogue
+    pairs = [(q, q_ref)] + [(caches[i][slot_mapping], caches[i + 2][slot_mapping]) for i in (0, 1)]
+    err = [max(e) for e in zip(*(errors(a, b) for a, b in pairs))]
+    report(f"qkv_rope        B={batch} N={N}", err, median_ms(lambda: qkv_rope(*args(caches[0], caches[1]))),
+           baselines)
 
 
 def check_attention(batch, rows):

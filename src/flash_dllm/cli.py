@@ -17,14 +17,17 @@ def add_model_args(parser: argparse.ArgumentParser):
     parser.add_argument("--dtype", default=None, help="bfloat16, float16 or float32 (default: bf16 on GPU)")
     parser.add_argument("--kernels", choices=["on", "off"], default=None,
                         help="Triton kernels for the cached methods (default: on with CUDA); off = PyTorch reference")
+    parser.add_argument("--cuda-graphs", choices=["on", "off"], default=None,
+                        help="replay repeating cached passes from CUDA graphs (default: on with the kernels on CUDA)")
 
 
 def llm_from_args(args, default_device: str | None = None, **options):
     """The LLM that add_model_args' options name (`options`: LLM's other arguments)."""
     from .llm import LLM
 
-    kernels = None if args.kernels is None else args.kernels == "on"
-    return LLM(args.model, device=args.device or default_device, dtype=args.dtype, kernels=kernels, **options)
+    on_off = lambda value: None if value is None else value == "on"
+    return LLM(args.model, device=args.device or default_device, dtype=args.dtype, kernels=on_off(args.kernels),
+               cuda_graphs=on_off(args.cuda_graphs), **options)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser):
@@ -147,7 +150,8 @@ def cmd_bench(args):
         print(format_table(results))
         return
     print(f"# prompt {args.prompt_length}, generation {args.max_tokens}, {args.warmup} warm-up + {args.iters} "
-          f"timed iterations; kernels {'on' if llm.model.use_kernels else 'off'}")
+          f"timed iterations; kernels {'on' if llm.model.use_kernels else 'off'}, "
+          f"CUDA graphs {'on' if llm.cuda_graphs else 'off'}")
     results = []
     for method in args.methods:
         flash = method in ("flash-cache", "flash-verify")

@@ -70,12 +70,14 @@ class LLM:
         1 GiB on the CPU); a request longer than the cache holds is refused with an error.
     kernels: run the cached methods' attention through the Triton kernels (fused QKV + RoPE + cache write,
         scheduled flash attention); default: on CUDA. False uses their PyTorch references (same tokens).
+    cuda_graphs: replay the cached passes whose shapes repeat from CUDA graphs; default: with the kernels on
+        CUDA (the references cannot be captured).
     """
 
     def __init__(self, model: str | Path | None = None, device: str | None = None,
                  dtype: str | torch.dtype | None = None, max_batch_size: int = 32,
                  chat_template: bool | None = None, seed: int = 0, kv_cache_bytes: int | None = None,
-                 kernels: bool | None = None):
+                 kernels: bool | None = None, cuda_graphs: bool | None = None):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(dtype, self.device)
         spec = str(model) if model is not None else str(default_model_path())
@@ -89,13 +91,17 @@ class LLM:
         if kernels and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("kernels=True needs a CUDA device (or TRITON_INTERPRET=1 to run them interpreted)")
         self.model.use_kernels = self.device.type == "cuda" if kernels is None else kernels
+        on_gpu_kernels = self.model.use_kernels and self.device.type == "cuda"
+        if cuda_graphs and not on_gpu_kernels:
+            raise ValueError("cuda_graphs=True needs the Triton kernels on a CUDA device")
+        self.cuda_graphs = on_gpu_kernels if cuda_graphs is None else cuda_graphs
         self.tokenizer = load_tokenizer(self.path)
         self.special = special_tokens(self.config, self.path, self.tokenizer)
         has_template = self.tokenizer is not None and bool(getattr(self.tokenizer, "chat_template", None))
         self.use_chat_template = has_template if chat_template is None else chat_template
         if self.use_chat_template and not has_template:
             raise ValueError("chat_template=True, but the model's tokenizer has no chat template")
-        self.engine = LLMEngine(self.model, self.special, max_batch_size, kv_cache_bytes)
+        self.engine = LLMEngine(self.model, self.special, max_batch_size, kv_cache_bytes, self.cuda_graphs)
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt: ids as given, messages or (with the chat template on) a string through the

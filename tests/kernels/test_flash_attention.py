@@ -66,6 +66,15 @@ def test_key_mass_matches_reference(case, dtype):
     assert rel_err(mass, mass_ref) < 1e-5  # fp32 probabilities from exact products, whatever the input dtype
 
 
+def test_key_mass_is_the_same_every_run():
+    """No atomics: a near-tie in the tracked set must not flip from one run to the next."""
+    q, k_cache, v_cache, table = make_batch(*CASES["two-query-tiles"], torch.bfloat16)
+    masses = [torch.zeros(table.num_seqs, table.max_kv, device=DEVICE) for _ in range(3)]
+    for mass in masses:
+        flash_attention(q, k_cache, v_cache, table, key_mass=mass)
+    assert all(torch.equal(mass, masses[0]) for mass in masses[1:])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", CASES)
 def test_verify_pass_matches_reference(case, dtype):

@@ -9,9 +9,10 @@ from flash_dllm.kernels.fused_qkv_rope import fused_qkv_rope, fused_qkv_rope_ref
 from flash_dllm.models.llada import apply_rotary, rotary_cos_sin
 
 # (d_model, heads, kv heads, head_dim, bias, rows): MHA; GQA with biases, head_dim 24 (half not a power of
-# two) and d_model 96 (a partial K tile); LLaDA-like d_model 384; more rows than one tile.
+# two) and d_model 96 (a partial K tile); LLaDA-like d_model 384; head_dim 96 (a head in two column chunks,
+# the second partial); the many-row tiling (more rows than one tile) with LLaDA's head_dim 128.
 SHAPES = [(64, 4, 4, 16, False, 9), (96, 4, 2, 24, True, 37), (384, 6, 2, 64, False, 20),
-          (64, 2, 1, 32, True, 150)]
+          (64, 2, 1, 32, True, 150), (64, 2, 2, 96, True, 20), (64, 2, 1, 128, False, 300)]
 
 
 def make_inputs(d, heads, kv_heads, head_dim, bias, rows, dtype, seed=0):

@@ -76,7 +76,7 @@ def bench_step(llm, params: SamplingParams, batch: int, prompt_length: int, warm
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     cache_bytes = batch * length * KVCache.bytes_per_row(cfg, llm.dtype, with_hidden=params.caches_hidden_states)
-    engine = LLMEngine(llm.model, dataclasses.replace(llm.special, stop_ids=()), batch, cache_bytes)
+    engine = LLMEngine(llm.model, dataclasses.replace(llm.special, stop_ids=()), batch, cache_bytes, llm.cuda_graphs)
     for p in prompts:
         engine.add_request(p.tolist(), params)
     for _ in range(warmup):

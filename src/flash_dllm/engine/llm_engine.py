@@ -17,6 +17,7 @@ from ..decoding.step import denoise_step
 from ..sampling_params import SamplingParams
 from ..tokenizer import SpecialTokens
 from .batch import DecodeBatch
+from .cuda_graphs import GraphedModel
 from .scheduler import Scheduler
 from .sequence import Sequence, SequenceStatus
 
@@ -27,8 +28,15 @@ POSITION_STATE = {"flash-cache": flash_cache.initial_position_state,
                   "elastic": elastic.initial_position_state, "lossless": lossless.initial_position_state}
 
 class LLMEngine:
-    def __init__(self, model, special: SpecialTokens, max_batch_size: int = 32, kv_cache_bytes: int | None = None):
+    """cuda_graphs: replay the cached passes whose shapes repeat from CUDA graphs (needs the kernel path)."""
+
+    def __init__(self, model, special: SpecialTokens, max_batch_size: int = 32, kv_cache_bytes: int | None = None,
+                 cuda_graphs: bool = False):
+        if cuda_graphs and not model.use_kernels:
+            raise ValueError("cuda_graphs needs the Triton kernel path (model.use_kernels)")
         self.model = model
+        self.runner = model  # what the steps call: the model, or the model with graphed cached passes
+        self.cuda_graphs = cuda_graphs
         self.special = special
         weights = next(model.parameters())
         self.device, self.dtype = weights.device, weights.dtype
@@ -77,6 +85,8 @@ class LLMEngine:
         self.cache = KVCache.from_budget(self.model.config, budget, self.dtype, self.device,
                                          with_hidden=params.caches_hidden_states)
         self.allocator = CacheAllocator(self.cache.num_rows)
+        if self.cuda_graphs:
+            self.runner = GraphedModel(self.model, self.cache)
 
     def _reserve(self, seq: Sequence) -> bool:
         if not seq.params.uses_cache:
@@ -94,7 +104,7 @@ class LLMEngine:
         self._refresh_batch()
         if self.batch is None:
             return []
-        denoise_step(self.model, self.batch, self.cache, self.special.mask_id, self.stop_ids)
+        denoise_step(self.runner, self.batch, self.cache, self.special.mask_id, self.stop_ids)
         return self._collect_finished()
 
     def _refresh_batch(self):

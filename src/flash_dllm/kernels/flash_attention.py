@@ -2,9 +2,9 @@
 
 One launch for the whole batch: program (request, query tile, head) runs an online softmax in fp32 over the
 request's cache range [kv_start, kv_start + kv_len), then, in a pass that does not write the cache, over the
-pass's own new keys under self_visibility. With key_mass, a second sweep over the cache keys adds each
-key's final softmax probability (summed over heads and tracked rows) with atomics, so that no
-[rows, heads, keys] tensor is ever stored.
+pass's own new keys under self_visibility. With key_mass, a second sweep over the cache keys sums each
+key's final softmax probability over the tile's tracked rows into one row per (query tile, head), so that
+no [rows, heads, keys] tensor is ever stored; those rows are then summed in a fixed order.
 """
 from __future__ import annotations
 
@@ -19,6 +19,13 @@ try:
     import triton.language as tl
 except ImportError:  # the package imports without triton; only the kernel needs it
     triton = None
+
+
+def launch_config(max_q: int, head_dim: int) -> dict:
+    """Tile sizes by query rows per request (tuned on the H200 at LLaDA-8B shapes, benchmarks/tune_kernels.py)."""
+    if max_q <= 32:
+        return dict(BLOCK_M=max(16, triton.next_power_of_2(max_q)), BLOCK_N=128, num_warps=4, num_stages=3)
+    return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
 
 
 def flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: BlockTable,
@@ -47,19 +54,23 @@ def flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     visibility = table.self_visibility.contiguous().view(torch.uint8) if has_new else q
     hidden = hidden.contiguous().view(torch.uint8) if hidden is not None else q
     track_rows = table.track_rows.contiguous().view(torch.uint8) if track else q
-    key_mass = key_mass if track else out
-    block_m = max(16, min(64, triton.next_power_of_2(table.max_q)))
-    grid = (table.num_seqs, triton.cdiv(table.max_q, block_m), H)
+    config = launch_config(table.max_q, D)
+    grid = (table.num_seqs, triton.cdiv(table.max_q, config["BLOCK_M"]), H)
+    # Atomics would add the partial masses in a different order every run, and a near-tie in the tracked
+    # set could then flip a token; partial rows summed after the launch give the same mass every time.
+    partial = torch.zeros(table.num_seqs, grid[1] * H, table.max_kv, device=q.device) if track else out
     _flash_attention_kernel[grid](
         q, k_cache, v_cache, out, k_new, v_new,
-        table.cu_seqlens_q, table.kv_start, table.kv_len, hidden, visibility, track_rows, key_mass,
+        table.cu_seqlens_q, table.kv_start, table.kv_len, hidden, visibility, track_rows, partial,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
-        hidden.stride(0), visibility.stride(0), visibility.stride(1), key_mass.stride(0),
+        hidden.stride(0), visibility.stride(0), visibility.stride(1), partial.stride(0), partial.stride(1),
         D ** -0.5, D,
         GROUP=group, HAS_HIDDEN=table.hidden_keys is not None, HAS_NEW=has_new, TRACK=track,
-        BLOCK_M=block_m, BLOCK_N=64, BLOCK_D=max(16, triton.next_power_of_2(D)),
-        DOT_FP32=q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1", num_warps=4, num_stages=2)
+        BLOCK_D=max(16, triton.next_power_of_2(D)),
+        DOT_FP32=q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1", **config)
+    if track:
+        key_mass += partial.sum(dim=1)
     return out
 
 
@@ -102,7 +113,7 @@ if triton is not None:
             q_ptr, k_ptr, v_ptr, o_ptr, kn_ptr, vn_ptr,
             cu_q_ptr, kv_start_ptr, kv_len_ptr, hidden_ptr, vis_ptr, track_ptr, mass_ptr,
             stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh,
-            stride_knn, stride_knh, stride_vnn, stride_vnh, stride_hb, stride_visb, stride_visq, stride_mb,
+            stride_knn, stride_knh, stride_vnn, stride_vnh, stride_hb, stride_visb, stride_visq, stride_mb, stride_mr,
             scale, D,
             GROUP: tl.constexpr, HAS_HIDDEN: tl.constexpr, HAS_NEW: tl.constexpr, TRACK: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr):
@@ -157,4 +168,5 @@ if triton is not None:
                                            BLOCK_N, DOT_FP32)
                 b_p = tl.where(b_track[:, None], tl.exp2(b_s - b_lse[:, None]), 0.0)
                 o_n = start + tl.arange(0, BLOCK_N)
-                tl.atomic_add(mass_ptr + seq * stride_mb + o_n, tl.sum(b_p, 0), mask=m_key, sem="relaxed")
+                p_mass = mass_ptr + seq * stride_mb + (tile * tl.num_programs(2) + head) * stride_mr + o_n
+                tl.store(p_mass, tl.sum(b_p, 0), mask=m_key)

@@ -2,29 +2,23 @@
 
 One launch turns the normed hidden rows into Q (returned) and writes K (rotated) and V straight into the
 flat cache rows of slot_mapping, so no K/V tensor is ever stored in between. A pass that must not write the
-cache (the verify pass) passes fresh [N, Hkv, D] buffers and slot_mapping = arange(N).
+cache (the verify pass) passes fresh [N, Hkv, D] buffers and slot_mapping = arange(N). `qkv_rope`, which
+the model calls, uses it up to FUSED_MAX_ROWS rows and cuBLAS's GEMM + rope_cache_write beyond.
 """
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 import torch.nn.functional as F
+
+from .rope_cache_write import rope_cache_write, rope_cache_write_ref, rope_inv_freq, store_halves
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # the reference works without triton; only the kernel needs it
     triton = None
-
-
-@functools.cache
-def rope_inv_freq(head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
-    """[head_dim // 2] fp32, the same expression as models/llada.py's rotary_cos_sin, so that the
-    angles position * inv_freq are bit-identical to the model's."""
-    exponent = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
-    return 1.0 / (theta ** exponent)
 
 
 def fused_qkv_rope_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
@@ -36,19 +30,34 @@ def fused_qkv_rope_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     Writes rotated K and V into the cache at slot_mapping. Rotate-half RoPE in fp32 on the projection
     rounded to x's dtype, as LLaDABlock.cached_attention does.
     """
-    N, (num_kv_heads, head_dim) = x.shape[0], k_cache.shape[1:]
-    q, k, v = F.linear(x, weight, bias).split([num_heads * head_dim, num_kv_heads * head_dim,
-                                                num_kv_heads * head_dim], dim=-1)
-    freqs = positions.float()[:, None] * rope_inv_freq(head_dim, rope_theta, x.device)
-    cos, sin = freqs.cos()[:, None], freqs.sin()[:, None]                        # [N, 1, D / 2]
+    return rope_cache_write_ref(F.linear(x, weight, bias), positions, slot_mapping, k_cache, v_cache, num_heads,
+                                rope_theta)
 
-    def rotate(t: torch.Tensor, heads: int) -> torch.Tensor:
-        t1, t2 = t.view(N, heads, head_dim).float().chunk(2, dim=-1)
-        return torch.cat([t1 * cos - t2 * sin, t2 * cos + t1 * sin], dim=-1).to(x.dtype)
 
-    k_cache.index_copy_(0, slot_mapping, rotate(k, num_kv_heads))
-    v_cache.index_copy_(0, slot_mapping, v.view(N, num_kv_heads, head_dim))
-    return rotate(q, num_heads)
+# Rows up to which the fused kernel beats cuBLAS's GEMM + the rope_cache_write epilogue (H200, LLaDA-8B:
+# 0.039 ms each at 32 rows; at 144 rows 0.10 ms against 0.04 + the epilogue).
+FUSED_MAX_ROWS = 64
+
+
+def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
+             slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
+             rope_theta: float) -> torch.Tensor:
+    """fused_qkv_rope_ref by the faster kernels for this many rows: the fused kernel for a few, else the
+    GEMM and the epilogue kernel."""
+    if x.shape[0] <= FUSED_MAX_ROWS:
+        return fused_qkv_rope(x, weight, bias, positions, slot_mapping, k_cache, v_cache, num_heads, rope_theta)
+    return rope_cache_write(F.linear(x, weight, bias), positions, slot_mapping, k_cache, v_cache, num_heads,
+                            rope_theta)
+
+
+def launch_config(num_rows: int, half: int) -> dict:
+    """Tile sizes by row count, tuned on the H200 at LLaDA-8B shapes (benchmarks/tune_kernels.py)."""
+    block_half = max(16, triton.next_power_of_2(half))
+    if num_rows <= 32:  # heads in chunks, to put more programs on the SMs
+        return dict(BLOCK_N=max(16, triton.next_power_of_2(num_rows)), BLOCK_HALF=min(16, block_half),
+                    BLOCK_K=128, num_warps=4, num_stages=4)
+    return dict(BLOCK_N=min(128, triton.next_power_of_2(num_rows)), BLOCK_HALF=block_half, BLOCK_K=64,
+                num_warps=8, num_stages=4)
 
 
 def fused_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
@@ -64,18 +73,16 @@ def fused_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if N == 0:
         return q
     half = head_dim // 2
-    block_n = max(16, min(128, triton.next_power_of_2(N)))
-    block_half = max(16, triton.next_power_of_2(half))
-    grid = (triton.cdiv(N, block_n), num_heads + 2 * num_kv_heads)
+    config = launch_config(N, half)
+    chunks = triton.cdiv(half, config["BLOCK_HALF"])
+    grid = (triton.cdiv(N, config["BLOCK_N"]), (num_heads + 2 * num_kv_heads) * chunks)
     _fused_qkv_rope_kernel[grid](
         x, weight, bias if bias is not None else weight, positions, rope_inv_freq(head_dim, rope_theta, x.device),
         slot_mapping, q, k_cache, v_cache,
         N, d, half, x.stride(0), weight.stride(0), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1),
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HAS_BIAS=bias is not None,
-        BLOCK_N=block_n, BLOCK_K=64, BLOCK_HALF=block_half,
-        DOT_FP32=x.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
-        num_warps=8 if block_n * block_half >= 128 * 64 else 4, num_stages=3)
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HAS_BIAS=bias is not None, CHUNKS=chunks,
+        DOT_FP32=x.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1", **config)
     return q
 
 
@@ -87,21 +94,18 @@ if triton is not None:
         return tl.dot(a, b, acc, input_precision="ieee")
 
     @triton.jit
-    def _store_halves(p_out, b_1, b_2, half, m_out):
-        tl.store(p_out, b_1.to(p_out.dtype.element_ty), mask=m_out)
-        tl.store(p_out + half, b_2.to(p_out.dtype.element_ty), mask=m_out)
-
-    @triton.jit
     def _fused_qkv_rope_kernel(
             x_ptr, w_ptr, bias_ptr, pos_ptr, inv_freq_ptr, slot_ptr, q_ptr, k_ptr, v_ptr,
             N, d, half, stride_xn, stride_wf, stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
-            NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HAS_BIAS: tl.constexpr,
+            NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HAS_BIAS: tl.constexpr, CHUNKS: tl.constexpr,
             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_HALF: tl.constexpr, DOT_FP32: tl.constexpr):
-        # One program: BLOCK_N rows x one head of the packed q|k|v output (heads 0..H-1 are q, then k, then v).
-        # The head's two halves get their own accumulators, so rotate-half pairs column j with j + half.
-        pid_n, head = tl.program_id(0), tl.program_id(1)
+        # One program: BLOCK_N rows x one chunk of BLOCK_HALF column pairs of a head of the packed q|k|v output
+        # (heads 0..H-1 are q, then k, then v). Column j and its rotate-half partner j + half get their own
+        # accumulators, so a chunk holds whole pairs.
+        pid_n, pid_h = tl.program_id(0), tl.program_id(1)
+        head, chunk = pid_h // CHUNKS, pid_h % CHUNKS
         o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        o_j = tl.arange(0, BLOCK_HALF)
+        o_j = chunk * BLOCK_HALF + tl.arange(0, BLOCK_HALF)
         o_k = tl.arange(0, BLOCK_K)
         m_n, m_j = o_n < N, o_j < half
         f_1 = head * 2 * half + o_j                                             # weight rows, first half
@@ -130,13 +134,13 @@ if triton is not None:
             b_cos, b_sin = tl.cos(b_freq), tl.sin(b_freq)
             b_1, b_2 = b_1 * b_cos - b_2 * b_sin, b_2 * b_cos + b_1 * b_sin
         if head < NUM_HEADS:
-            _store_halves(q_ptr + o_n[:, None] * stride_qn + head * stride_qh + o_j[None, :], b_1, b_2, half, m_out)
+            store_halves(q_ptr + o_n[:, None] * stride_qn + head * stride_qh + o_j[None, :], b_1, b_2, half, m_out)
         else:
             b_slot = tl.load(slot_ptr + o_n, mask=m_n, other=0)
             kv_head = (head - NUM_HEADS) % NUM_KV_HEADS
             if head < NUM_HEADS + NUM_KV_HEADS:
                 p_k = k_ptr + b_slot[:, None] * stride_kn + kv_head * stride_kh + o_j[None, :]
-                _store_halves(p_k, b_1, b_2, half, m_out)
+                store_halves(p_k, b_1, b_2, half, m_out)
             else:
                 p_v = v_ptr + b_slot[:, None] * stride_vn + kv_head * stride_vh + o_j[None, :]
-                _store_halves(p_v, b_1, b_2, half, m_out)
+                store_halves(p_v, b_1, b_2, half, m_out)

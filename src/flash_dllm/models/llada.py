@@ -17,7 +17,9 @@ from ..cache.kv_cache import KVCache
 from ..config import ModelConfig
 from ..kernels.attention import ragged_attention_ref
 from ..kernels.flash_attention import flash_attention
-from ..kernels.fused_qkv_rope import fused_qkv_rope
+from ..kernels.fused_qkv_rope import qkv_rope
+from ..kernels.rms_norm import rms_norm, rms_norm_ref
+from ..kernels.silu_mul import silu_mul, silu_mul_ref
 
 
 class RMSNorm(nn.Module):
@@ -27,11 +29,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32, cast back, then scale: the order of LLaDA's reference implementation.
-        x32 = x.float()
-        x = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-        return self.weight * x if self.bias is None else self.weight * x + self.bias
+    def forward(self, x: torch.Tensor, kernel: bool = False) -> torch.Tensor:
+        """`kernel`: the Triton kernel (one launch) instead of its PyTorch reference (LLaDA's math)."""
+        return (rms_norm if kernel else rms_norm_ref)(x, self.weight, self.bias, self.eps)
 
 
 class PackedLinear(nn.Linear):
@@ -125,7 +125,7 @@ class LLaDABlock(nn.Module):
 
     def _kernel_attention(self, x, rope, table, cache, key_mass) -> torch.Tensor:
         k_cache, v_cache = cache.k[self.layer], cache.v[self.layer]
-        project = lambda slots, k_out, v_out: fused_qkv_rope(
+        project = lambda slots, k_out, v_out: qkv_rope(
             x, self.qkv_proj.weight, self.qkv_proj.bias, rope.positions, slots, k_out, v_out, self.num_heads,
             self.rope_theta)
         if table.write_cache:
@@ -136,17 +136,18 @@ class LLaDABlock(nn.Module):
         q = project(torch.arange(x.shape[0], device=x.device), k_new, v_new)
         return flash_attention(q, k_cache, v_cache, table, key_mass, k_new=k_new, v_new=v_new)
 
-    def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(self.ff_norm(x)).chunk(2, dim=-1)
-        return self.ff_out(F.silu(gate) * up)
+    def mlp(self, x: torch.Tensor, kernels: bool = False) -> torch.Tensor:
+        gate_up = self.gate_up_proj(self.ff_norm(x, kernels))
+        return self.ff_out((silu_mul if kernels else silu_mul_ref)(gate_up))
 
     def forward(self, x, cos, sin, attn_mask):
         x = x + self.attention(self.attn_norm(x), cos, sin, attn_mask)
         return x + self.mlp(x)
 
     def forward_cached(self, x, rope, table, cache, key_mass, kernels: bool = False):
-        x = x + self.cached_attention(self.attn_norm(x), rope, table, cache, key_mass, kernels)
-        return x + self.mlp(x)
+        """`kernels`: the norms, attention and MLP activation through the Triton kernels."""
+        x = x + self.cached_attention(self.attn_norm(x, kernels), rope, table, cache, key_mass, kernels)
+        return x + self.mlp(x, kernels)
 
 
 class LLaDAModel(nn.Module):
@@ -191,7 +192,7 @@ class LLaDAModel(nn.Module):
         x = self.transformer["wte"](input_ids)
         for block in self.transformer["blocks"]:
             x = block.forward_cached(x, rope, table, cache, key_mass, self.use_kernels)
-        return self.transformer["ln_f"](x)
+        return self.transformer["ln_f"](x, self.use_kernels)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., d] -> logits [..., V]; called only on the rows whose logits are used."""

@@ -1,0 +1,113 @@
+"""Where an engine step's time goes on the GPU (issue 5): torch.profiler over a few steps per case, GPU
+busy time against wall time, the top kernels, and the same step's forward pass replayed as a CUDA graph.
+
+    python benchmarks/profile_step.py --model random:llada-8b --cases flash-cache:1 flash-cache:32 dual-cache:1
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from flash_dllm.cache import KVCache
+from flash_dllm.engine.llm_engine import LLMEngine
+from flash_dllm.llm import LLM
+from flash_dllm.sampling_params import SamplingParams
+
+
+def make_engine(llm, method, batch, prompt_length, max_tokens):
+    block = 16 if method in ("flash-cache", "flash-verify") else 32
+    params = SamplingParams(method=method, max_tokens=max_tokens, block_length=block)
+    cfg = llm.config
+    cache_bytes = batch * (prompt_length + max_tokens) * KVCache.bytes_per_row(cfg, llm.dtype, params.caches_hidden_states)
+    engine = LLMEngine(llm.model, dataclasses.replace(llm.special, stop_ids=()), batch, cache_bytes)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(batch):
+        prompt = torch.randint(0, cfg.vocab_size, (prompt_length,), generator=g)
+        prompt[prompt == llm.special.mask_id] = llm.special.pad_id
+        engine.add_request(prompt.tolist(), params)
+    return engine
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="random:llada-8b")
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--kernels", choices=["on", "off"], default="on")
+    ap.add_argument("--cases", nargs="+", default=["flash-cache:1"])
+    ap.add_argument("--prompt-length", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=8)
+    args = ap.parse_args()
+    llm = LLM(args.model, device="cuda", dtype=args.dtype, kernels=args.kernels == "on")
+    summary = []
+    for case in args.cases:
+        method, batch = case.split(":")
+        engine = make_engine(llm, method, int(batch), args.prompt_length, args.max_tokens)
+        calls = []
+        original = llm.model.forward_cached
+        def recording(*a, **k):
+            calls.append((a, k))
+            return original(*a, **k)
+        llm.model.forward_cached = recording
+        for _ in range(4):
+            engine.step()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) * 1e3 / args.steps
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.steps):
+                engine.step()
+            torch.cuda.synchronize()
+        llm.model.forward_cached = original
+        events = prof.key_averages()
+        gpu_ms = sum(e.self_device_time_total for e in events) / 1e3 / args.steps
+        print(f"\n## {case} ({args.kernels}): wall {wall:.2f} ms/step, GPU busy {gpu_ms:.2f} ms/step")
+        print(events.table(sort_by="self_device_time_total", row_limit=18, max_name_column_width=60))
+        print(events.table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=60))
+        graph_ms = eager_ms = float("nan")
+        if calls:  # the last cached forward of the step, eager and as a replayed CUDA graph
+            a, k = calls[-1]
+            with torch.inference_mode():
+                def run():
+                    return original(*a, **k)
+                for _ in range(3):
+                    run()
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                for _ in range(10):
+                    run()
+                torch.cuda.synchronize()
+                eager_ms = (time.perf_counter() - t) * 100
+                s = torch.cuda.Stream()
+                s.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(s):
+                    run()
+                torch.cuda.current_stream().wait_stream(s)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    run()
+                graph.replay()
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                for _ in range(10):
+                    graph.replay()
+                torch.cuda.synchronize()
+                graph_ms = (time.perf_counter() - t) * 100
+        summary.append((case, wall, gpu_ms, len(calls) / (args.steps + 4), eager_ms, graph_ms))
+        del engine
+        torch.cuda.empty_cache()
+    print(f"\n| case ({args.kernels}) | wall ms/step | GPU busy ms/step | cached passes/step | last forward eager ms | as CUDA graph ms |")
+    print("|---|---|---|---|---|---|")
+    for case, wall, gpu, passes, eager, graph in summary:
+        print(f"| {case} | {wall:.2f} | {gpu:.2f} | {passes:.2f} | {eager:.2f} | {graph:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""Tile-size search for the two Triton kernels at LLaDA-8B shapes on the GPU (issue 5): every candidate
+config is checked against the PyTorch reference, timed with triton.testing.do_bench, and the best per
+shape is printed beside the baseline (cuBLAS matmul alone for the fused kernel, the current config).
+The winners go into each kernel's launch_config by hand.
+
+    PYTHONPATH=src python benchmarks/tune_kernels.py
+"""
+import itertools
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from flash_dllm.cache.block_table import BlockTable, cu_seqlens
+from flash_dllm.kernels import flash_attention as attention_module
+from flash_dllm.kernels import fused_qkv_rope as fused_module
+from flash_dllm.kernels.attention import ragged_attention_ref
+
+D_MODEL, HEADS, HEAD_DIM, KV_LEN, THETA = 4096, 32, 128, 768, 500000.0
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return float("inf") if a.isnan().any() else ((a - b).norm() / b.norm()).item()
+
+
+def search(module, configs, run, reference):
+    """Time `run` under each config (module.launch_config patched); -> [(ms, config)], fastest first."""
+    original = module.launch_config
+    results = []
+    for config in configs:
+        module.launch_config = lambda *a, c=config: dict(c)
+        try:
+            err = rel(run(), reference)
+            ms = do_bench(run, warmup=10, rep=40) if err < 1e-2 else float("inf")
+        except Exception as exc:  # out of shared memory and the like
+            print(f"  {config}: {type(exc).__name__}")
+            ms = float("inf")
+        results.append((ms, config))
+    module.launch_config = original
+    return sorted(results, key=lambda r: r[0])
+
+
+def tune_fused(N):
+    x = torch.randn(N, D_MODEL, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(3 * D_MODEL, D_MODEL, device="cuda", dtype=torch.bfloat16) * D_MODEL ** -0.5
+    positions = torch.randint(0, KV_LEN, (N,), device="cuda")
+    slots = torch.randperm(N, device="cuda")
+    k, v = (torch.zeros(N, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    args = (x, weight, None, positions, slots, k, v, HEADS, THETA)
+    reference = fused_module.fused_qkv_rope_ref(*args)
+    current = fused_module.launch_config(N, HEAD_DIM // 2)
+    small = N <= 256
+    space = ([max(16, triton.next_power_of_2(N))], [16, 32, 64], [64, 128]) if small else ([64, 128], [32, 64], [64])
+    configs = [dict(BLOCK_N=bn, BLOCK_HALF=bh, BLOCK_K=bk, num_warps=w, num_stages=s)
+               for bn, bh, bk, w, s in itertools.product(*space, [4, 8], [3, 4])]
+    results = search(fused_module, [current] + configs,
+                     lambda: fused_module.fused_qkv_rope(*args), reference)
+    cublas = do_bench(lambda: torch.nn.functional.linear(x, weight), warmup=10, rep=40)
+    floor = (weight.numel() * 2 + N * D_MODEL * 2 * 4) / 4.25e12 * 1e3
+    flops = 2 * N * D_MODEL * 3 * D_MODEL / 787e12 * 1e3
+    cur = next(ms for ms, c in results if c == current)
+    print(f"fused N={N}: best {results[0][0]:.4f} ms {results[0][1]} | current {cur:.4f} | cuBLAS matmul "
+          f"{cublas:.4f} | floor {max(floor, flops):.4f}")
+    for ms, c in results[1:4]:
+        print(f"    {ms:.4f} {c}")
+    return ("fused", N, results[0][0], cur, cublas, max(floor, flops), results[0][1])
+
+
+def tune_attention(batch, rows, track):
+    N = batch * rows
+    q = torch.randn(N, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    k_cache, v_cache = (torch.randn(batch * KV_LEN, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+                        for _ in range(2))
+    table = BlockTable(cu_seqlens_q=cu_seqlens([rows] * batch, "cuda"),
+                       kv_start=torch.arange(batch, device="cuda") * KV_LEN,
+                       kv_len=torch.full((batch,), KV_LEN, device="cuda"),
+                       slot_mapping=torch.zeros(N, dtype=torch.long, device="cuda"), max_q=rows, max_kv=KV_LEN,
+                       track_rows=torch.rand(N, device="cuda") < 0.5)
+    mass = torch.zeros(batch, KV_LEN, device="cuda") if track else None
+    reference = ragged_attention_ref(q, k_cache, v_cache, table)
+    current = attention_module.launch_config(rows, HEAD_DIM)
+    configs = [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
+               for bm, bn, w, s in itertools.product([32, 64, 128], [32, 64, 128], [4, 8], [2, 3])
+               if bm <= max(16, triton.next_power_of_2(rows)) and not (bm == 128 and bn == 128 and s == 3)]
+
+    def run():
+        if mass is not None:
+            mass.zero_()
+        return attention_module.flash_attention(q, k_cache, v_cache, table, mass)
+    results = search(attention_module, [current] + configs, run, reference)
+    sdpa_q = q.view(batch, rows, HEADS, HEAD_DIM).transpose(1, 2)
+    sdpa_k = k_cache.view(batch, KV_LEN, HEADS, HEAD_DIM).transpose(1, 2)
+    sdpa_v = v_cache.view(batch, KV_LEN, HEADS, HEAD_DIM).transpose(1, 2)
+    sdpa = do_bench(lambda: torch.nn.functional.scaled_dot_product_attention(sdpa_q, sdpa_k, sdpa_v), warmup=10, rep=40)
+    cur = next(ms for ms, c in results if c == current)
+    name = f"attention B={batch} q={rows}{' +mass' if track else ''}"
+    print(f"{name}: best {results[0][0]:.4f} ms {results[0][1]} | current {cur:.4f} | SDPA {sdpa:.4f}")
+    for ms, c in results[1:4]:
+        print(f"    {ms:.4f} {c}")
+    return (name, N, results[0][0], cur, sdpa, float("nan"), results[0][1])
+
+
+def main():
+    rows = [tune_fused(N) for N in (32, 144, 1152, 4608)]
+    rows += [tune_attention(b, q, t) for b, q, t in ((1, 32, False), (1, 144, True), (32, 144, True),
+                                                   (32, 32, False), (32, 241, False))]
+    print("\n| kernel | rows | best ms | current ms | baseline ms (cuBLAS / SDPA) | floor ms | best config |")
+    print("|---|---|---|---|---|---|---|")
+    for name, N, best, cur, base, floor, config in rows:
+        print(f"| {name} | {N} | {best:.4f} | {cur:.4f} | {base:.4f} | {floor:.4f} | {config} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""CUDA graphs for the cached forward pass.
+
+A cached pass launches about fifteen kernels per layer; at small batches the GPU runs each faster than
+Python launches the next, so a step costs its launch time, not its GPU time. A pass whose shapes repeat
+(Flash-Cache's fixed query budget, a dual-cache block step, Flash-Verify's draft pass) is captured once and
+then replayed: its inputs are copied into the graph's static tensors, the graph replays every kernel in one
+launch, and the output is copied out. A shape is captured the second time it is seen, so that one-off
+shapes (a request's first full pass) stay eager. Only the kernel path can be captured: the PyTorch
+references index with boolean masks, which synchronise with the host.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+
+import torch
+
+from ..cache.block_table import BlockTable
+from ..cache.kv_cache import KVCache
+
+
+def _table_tensors(table: BlockTable) -> dict[str, torch.Tensor]:
+    return {f.name: getattr(table, f.name) for f in dataclasses.fields(table)
+            if isinstance(getattr(table, f.name), torch.Tensor)}
+
+
+def signature(input_ids: torch.Tensor, table: BlockTable, key_mass: torch.Tensor | None) -> tuple:
+    """Everything a captured pass is specialised on: tensor shapes and dtypes, and the table's host values."""
+    tensors = tuple((name, tuple(t.shape), t.dtype) for name, t in _table_tensors(table).items())
+    return (input_ids.shape[0], table.max_q, table.max_kv, table.write_cache, tensors,
+            None if key_mass is None else tuple(key_mass.shape))
+
+
+class _CapturedPass:
+    """One captured forward_cached: the static tensors it reads and writes, and its graph."""
+
+    def __init__(self, model, input_ids, positions, table: BlockTable, cache: KVCache, key_mass, pool):
+        self.input_ids, self.positions = input_ids.clone(), positions.clone()
+        self.table = dataclasses.replace(table, **{name: t.clone() for name, t in _table_tensors(table).items()})
+        self.key_mass = None if key_mass is None else key_mass.clone()
+        run = lambda: model.forward_cached(self.input_ids, self.positions, self.table, cache, self.key_mass)
+        # Warm up off the capture (Triton compilation, cuBLAS workspaces). It writes the same cache rows with
+        # the same values as the pass itself will, and key_mass is reloaded before every replay.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.output = run()
+
+    def replay(self, input_ids, positions, table: BlockTable, key_mass) -> torch.Tensor:
+        self.input_ids.copy_(input_ids)
+        self.positions.copy_(positions)
+        static = _table_tensors(self.table)
+        for name, t in _table_tensors(table).items():
+            static[name].copy_(t)
+        if key_mass is not None:
+            self.key_mass.copy_(key_mass)
+        self.graph.replay()
+        if key_mass is not None:
+            key_mass.copy_(self.key_mass)
+        return self.output.clone()  # the next replay overwrites the static output
+
+
+class GraphedModel:
+    """The model, with `forward_cached` on one KV cache replayed from CUDA graphs for shapes that repeat
+    (at most `max_graphs`, least recently used dropped first); every other attribute is the model's."""
+
+    def __init__(self, model, cache: KVCache, max_graphs: int = 16):
+        if not model.use_kernels:
+            raise ValueError("CUDA graphs need the Triton kernel path (the references synchronise with the host)")
+        self.model, self.cache, self.max_graphs = model, cache, max_graphs
+        self.passes: OrderedDict[tuple, _CapturedPass] = OrderedDict()
+        self.seen: set[tuple] = set()
+        self.pool = None  # one memory pool for all graphs: they never run at the same time
+        self.captures = self.replays = 0
+
+    def __getattr__(self, name):  # only called for names not found on the wrapper
+        return getattr(self.model, name)
+
+    def forward_cached(self, input_ids: torch.Tensor, positions: torch.Tensor, table: BlockTable, cache: KVCache,
+                       key_mass: torch.Tensor | None = None) -> torch.Tensor:
+        if cache is not self.cache:
+            raise ValueError("this GraphedModel's graphs write another KV cache")
+        key = signature(input_ids, table, key_mass)
+        captured = self.passes.get(key)
+        if captured is None:
+            if key not in self.seen:
+                self.seen.add(key)
+                return self.model.forward_cached(input_ids, positions, table, cache, key_mass)
+            captured = _CapturedPass(self.model, input_ids, positions, table, cache, key_mass, self.pool)
+            self.pool = captured.graph.pool()
+            self.passes[key] = captured
+            self.captures += 1
+            if len(self.passes) > self.max_graphs:
+                self.passes.popitem(last=False)
+        self.passes.move_to_end(key)
+        self.replays += 1
+        return captured.replay(input_ids, positions, table, key_mass)

@@ -1,0 +1,107 @@
+"""RoPE + KV cache write of a projected q|k|v (Triton), beside its PyTorch reference.
+
+The epilogue of a cuBLAS QKV projection: one launch rotates Q (returned) and K, and writes K and V into the
+flat cache rows of slot_mapping. Beyond a few dozen rows cuBLAS's GEMM is faster than the fused kernel's
+(H200, LLaDA-8B: 0.65 against 0.96 ms at 4,608 rows), and this pass moves only the projection's few MB,
+so `qkv_rope` (fused_qkv_rope.py) picks this path there.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the reference works without triton; only the kernel needs it
+    triton = None
+
+
+@functools.cache
+def rope_inv_freq(head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    """[head_dim // 2] fp32, the same expression as models/llada.py's rotary_cos_sin, so that the
+    angles position * inv_freq are bit-identical to the model's."""
+    exponent = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
+    return 1.0 / (theta ** exponent)
+
+
+def rope_cache_write_ref(qkv: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
+                         rope_theta: float) -> torch.Tensor:
+    """qkv [N, (H + 2 Hkv) * D] (q|k|v columns); positions, slot_mapping [N]; k_cache, v_cache [rows, Hkv, D]
+    -> q [N, H, D] rotated, in qkv's dtype. Writes rotated K and V into the cache at slot_mapping.
+    Rotate-half RoPE in fp32, as LLaDABlock.cached_attention does."""
+    N, (num_kv_heads, head_dim) = qkv.shape[0], k_cache.shape[1:]
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    freqs = positions.float()[:, None] * rope_inv_freq(head_dim, rope_theta, qkv.device)
+    cos, sin = freqs.cos()[:, None], freqs.sin()[:, None]                        # [N, 1, D / 2]
+
+    def rotate(t: torch.Tensor, heads: int) -> torch.Tensor:
+        t1, t2 = t.reshape(N, heads, head_dim).float().chunk(2, dim=-1)
+        return torch.cat([t1 * cos - t2 * sin, t2 * cos + t1 * sin], dim=-1).to(qkv.dtype)
+
+    k_cache.index_copy_(0, slot_mapping, rotate(k, num_kv_heads))
+    v_cache.index_copy_(0, slot_mapping, v.reshape(N, num_kv_heads, head_dim))
+    return rotate(q, num_heads)
+
+
+def rope_cache_write(qkv: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, rope_theta: float) -> torch.Tensor:
+    """The Triton kernel of rope_cache_write_ref (same arguments, same result)."""
+    if triton is None:
+        raise RuntimeError("rope_cache_write needs triton; use rope_cache_write_ref")
+    N, (num_kv_heads, head_dim) = qkv.shape[0], k_cache.shape[1:]
+    assert qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim and qkv.stride(-1) == 1
+    assert k_cache.stride(-1) == v_cache.stride(-1) == 1
+    q = torch.empty(N, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    if N == 0:
+        return q
+    half = head_dim // 2
+    block_n = 16
+    grid = (triton.cdiv(N, block_n), num_heads + 2 * num_kv_heads)
+    _rope_cache_write_kernel[grid](
+        qkv, positions, rope_inv_freq(head_dim, rope_theta, qkv.device), slot_mapping, q, k_cache, v_cache,
+        N, half, qkv.stride(0), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, BLOCK_N=block_n,
+        BLOCK_HALF=max(16, triton.next_power_of_2(half)), num_warps=4)
+    return q
+
+
+if triton is not None:
+    @triton.jit
+    def store_halves(p_out, b_1, b_2, half, m_out):
+        """A head's rotate-half pair of column blocks: b_1 at columns j, b_2 at j + half."""
+        tl.store(p_out, b_1.to(p_out.dtype.element_ty), mask=m_out)
+        tl.store(p_out + half, b_2.to(p_out.dtype.element_ty), mask=m_out)
+
+    @triton.jit
+    def _rope_cache_write_kernel(
+            qkv_ptr, pos_ptr, inv_freq_ptr, slot_ptr, q_ptr, k_ptr, v_ptr,
+            N, half, stride_xn, stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
+            NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_HALF: tl.constexpr):
+        # One program: BLOCK_N rows x one head of q|k|v; column j and its rotate-half partner j + half.
+        pid_n, head = tl.program_id(0), tl.program_id(1)
+        o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        o_j = tl.arange(0, BLOCK_HALF)
+        m = (o_n < N)[:, None] & (o_j < half)[None, :]
+        p_in = qkv_ptr + o_n[:, None] * stride_xn + head * 2 * half + o_j[None, :]
+        b_1 = tl.load(p_in, mask=m, other=0.0).to(tl.float32)
+        b_2 = tl.load(p_in + half, mask=m, other=0.0).to(tl.float32)
+        if head < NUM_HEADS + NUM_KV_HEADS:  # q and k heads are rotated, v heads are not
+            b_pos = tl.load(pos_ptr + o_n, mask=o_n < N, other=0).to(tl.float32)
+            b_freq = b_pos[:, None] * tl.load(inv_freq_ptr + o_j, mask=o_j < half, other=0.0)[None, :]
+            b_cos, b_sin = tl.cos(b_freq), tl.sin(b_freq)
+            b_1, b_2 = b_1 * b_cos - b_2 * b_sin, b_2 * b_cos + b_1 * b_sin
+        if head < NUM_HEADS:
+            store_halves(q_ptr + o_n[:, None] * stride_qn + head * stride_qh + o_j[None, :], b_1, b_2, half, m)
+        else:
+            b_slot = tl.load(slot_ptr + o_n, mask=o_n < N, other=0)
+            kv_head = (head - NUM_HEADS) % NUM_KV_HEADS
+            if head < NUM_HEADS + NUM_KV_HEADS:
+                store_halves(k_ptr + b_slot[:, None] * stride_kn + kv_head * stride_kh + o_j[None, :],
+                             b_1, b_2, half, m)
+            else:
+                store_halves(v_ptr + b_slot[:, None] * stride_vn + kv_head * stride_vh + o_j[None, :],
+                             b_1, b_2, half, m)

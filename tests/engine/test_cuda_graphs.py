@@ -1,0 +1,52 @@
+"""CUDA graphs replay the repeating cached passes with the eager kernel path's tokens (GPU only); a pass is
+specialised on every shape it depends on; asking for graphs without the kernels on a GPU is an error."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flash_dllm import LLM, SamplingParams
+from flash_dllm.cache.block_table import BlockTable, cu_seqlens
+from flash_dllm.engine.cuda_graphs import signature
+
+METHODS = [dict(method="prefix-cache"), dict(method="dual-cache"),
+           dict(method="flash-cache", tracking_budget=4, mask_window=8),
+           dict(method="flash-verify", tracking_budget=4, mask_window=8)]
+PROMPTS = [[5, 9, 13, 7], [11, 4, 6, 8, 12, 3, 10], [3, 3, 4]]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("knobs", METHODS, ids=lambda k: k["method"])
+def test_graphs_give_the_eager_tokens(gqa_checkpoint, knobs):
+    params = SamplingParams(max_tokens=32, block_length=8, threshold=0.9, **knobs)
+    outputs = {}
+    for graphs in (False, True):
+        llm = LLM(gqa_checkpoint, device="cuda", dtype="float32", kernels=True, cuda_graphs=graphs)
+        outputs[graphs] = [out.token_ids for out in llm.generate(PROMPTS, params)]
+        if graphs:
+            assert llm.engine.runner.replays > 0
+    assert outputs[True] == outputs[False]
+
+
+def test_graphs_need_the_kernels_on_a_gpu(gqa_checkpoint):
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        LLM(gqa_checkpoint, device="cpu", cuda_graphs=True)
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="cuda_graphs"):
+            LLM(gqa_checkpoint, device="cuda", kernels=False, cuda_graphs=True)
+
+
+def test_signature_tells_apart_every_shape_a_pass_depends_on():
+    def key(counts, max_kv, write_cache=True, track=False, mass=False):
+        n = sum(counts)
+        table = BlockTable(cu_seqlens_q=cu_seqlens(counts, "cpu"), kv_start=torch.zeros(len(counts), dtype=torch.long),
+                           kv_len=torch.full((len(counts),), max_kv), slot_mapping=torch.arange(n),
+                           max_q=max(counts), max_kv=max_kv, write_cache=write_cache,
+                           track_rows=torch.ones(n, dtype=torch.bool) if track else None)
+        return signature(torch.zeros(n, dtype=torch.long), table, torch.zeros(len(counts), max_kv) if mass else None)
+
+    base = key([4, 4], 20)
+    assert key([4, 4], 20) == base
+    others = [key([4, 4, 4], 20), key([5, 3], 20), key([4, 4], 21), key([4, 4], 20, write_cache=False),
+              key([4, 4], 20, track=True), key([4, 4], 20, track=True, mass=True)]
+    assert len({base, *others}) == 1 + len(others)
