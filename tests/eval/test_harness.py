@@ -32,7 +32,7 @@ def test_accounting_with_scripted_outputs(capsys):
     items = load_test_set("arith")[:10]
     llm = ScriptedLLM([f"#### {items[0].answer}", "#### -1"])
     result = evaluate(llm, "arith", PARAMS, limit=10, progress=True)
-    assert llm.calls == [1, 8, 2]  # warm-up, then batches of 4 x batch size 2
+    assert llm.calls == [2, 8, 2]  # warm-up (one batch), then batches of 4 x batch size 2
     assert [r["index"] for r in result.records] == list(range(10))
     assert [r["prompt"] for r in result.records] == [item.prompt for item in items]
     s = result.summary

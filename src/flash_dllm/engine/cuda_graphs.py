@@ -4,9 +4,10 @@ A cached pass launches about fifteen kernels per layer; at small batches the GPU
 Python launches the next, so a step costs its launch time, not its GPU time. A pass whose shapes repeat
 (Flash-Cache's fixed query budget, a dual-cache block step, Flash-Verify's draft pass) is captured once and
 then replayed: its inputs are copied into the graph's static tensors, the graph replays every kernel in one
-launch, and the output is copied out. A shape is captured the second time it is seen, so that one-off
-shapes (a request's first full pass) stay eager. Only the kernel path can be captured: the PyTorch
-references index with boolean masks, which synchronise with the host.
+launch, and the output is copied out. A capture costs about two passes, so a shape is captured only once
+it has been seen CAPTURE_AFTER times: one-off shapes (a request's first full pass, a verify pass whose row
+count varies) stay eager. Only the kernel path can be captured: the PyTorch references index with boolean
+masks, which synchronise with the host.
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import torch
 
 from ..cache.block_table import BlockTable
 from ..cache.kv_cache import KVCache
+
+CAPTURE_AFTER = 3  # eager sightings of a shape before it is captured
 
 
 def _table_tensors(table: BlockTable) -> dict[str, torch.Tensor]:
@@ -34,21 +37,24 @@ def signature(input_ids: torch.Tensor, table: BlockTable, key_mass: torch.Tensor
 class _CapturedPass:
     """One captured forward_cached: the static tensors it reads and writes, and its graph."""
 
-    def __init__(self, model, input_ids, positions, table: BlockTable, cache: KVCache, key_mass, pool):
+    def __init__(self, model, input_ids, positions, table: BlockTable, cache: KVCache, key_mass, pool, stream):
         self.input_ids, self.positions = input_ids.clone(), positions.clone()
         self.table = dataclasses.replace(table, **{name: t.clone() for name, t in _table_tensors(table).items()})
         self.key_mass = None if key_mass is None else key_mass.clone()
         run = lambda: model.forward_cached(self.input_ids, self.positions, self.table, cache, self.key_mass)
-        # Warm up off the capture (Triton compilation, cuBLAS workspaces). It writes the same cache rows with
-        # the same values as the pass itself will, and key_mass is reloaded before every replay.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            run()
-        torch.cuda.current_stream().wait_stream(side)
+        # Warm up before capturing (cuBLAS workspaces, lazily built tensors). It writes the same cache rows
+        # with the same values as the pass itself will, and key_mass is reloaded before every replay.
+        # (torch.cuda.graph() would also run gc.collect() and empty the allocator's cache at every capture.)
+        stream.wait_stream(torch.cuda.current_stream())
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.output = run()
+        with torch.cuda.stream(stream):
+            run()
+            self.graph.capture_begin(pool=pool)
+            try:
+                self.output = run()
+            finally:
+                self.graph.capture_end()
+        torch.cuda.current_stream().wait_stream(stream)
 
     def replay(self, input_ids, positions, table: BlockTable, key_mass) -> torch.Tensor:
         self.input_ids.copy_(input_ids)
@@ -73,8 +79,9 @@ class GraphedModel:
             raise ValueError("CUDA graphs need the Triton kernel path (the references synchronise with the host)")
         self.model, self.cache, self.max_graphs = model, cache, max_graphs
         self.passes: OrderedDict[tuple, _CapturedPass] = OrderedDict()
-        self.seen: set[tuple] = set()
+        self.sightings: dict[tuple, int] = {}  # eager runs of each shape not captured
         self.pool = None  # one memory pool for all graphs: they never run at the same time
+        self.stream = torch.cuda.Stream(cache.k[0].device)  # captures run off the default stream
         self.captures = self.replays = 0
 
     def __getattr__(self, name):  # only called for names not found on the wrapper
@@ -87,10 +94,14 @@ class GraphedModel:
         key = signature(input_ids, table, key_mass)
         captured = self.passes.get(key)
         if captured is None:
-            if key not in self.seen:
-                self.seen.add(key)
+            if self.sightings.get(key, 0) < CAPTURE_AFTER:
+                if len(self.sightings) > 1024:  # many one-off shapes: forget them
+                    self.sightings.clear()
+                self.sightings[key] = self.sightings.get(key, 0) + 1
                 return self.model.forward_cached(input_ids, positions, table, cache, key_mass)
-            captured = _CapturedPass(self.model, input_ids, positions, table, cache, key_mass, self.pool)
+            del self.sightings[key]
+            captured = _CapturedPass(self.model, input_ids, positions, table, cache, key_mass, self.pool,
+                                     self.stream)
             self.pool = captured.graph.pool()
             self.passes[key] = captured
             self.captures += 1

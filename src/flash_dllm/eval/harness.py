@@ -30,8 +30,8 @@ def evaluate(llm, task: str, params: SamplingParams, *, data: str | None = None,
     benchmark = get_benchmark(task)
     chat, batch_size = llm.use_chat_template, llm.engine.scheduler.max_batch_size
     examples = shard(benchmark.examples(chat, data, limit), ctx)
-    if warmup and examples:  # first-call allocations and kernel selection stay out of the timing
-        llm.generate(examples[0].prompt, params)
+    if warmup and examples:  # one full batch: kernel compilation and allocations stay out of the timing
+        llm.generate([e.prompt for e in examples[:batch_size]], params)
     records, gen_time = [], 0.0
     bar = None
     if progress and ctx.is_main:
