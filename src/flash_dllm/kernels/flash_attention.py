@@ -108,7 +108,9 @@ if triton is not None:
         b_s = _dot(b_q, tl.trans(b_k), DOT_FP32) * qk_scale
         return tl.where(m_key[None, :], b_s, float("-inf")), m_key
 
-    @triton.jit
+    # Strides that vary with the step's shapes are not specialised on (divisibility by 16): each new
+    # combination would compile a new kernel in the middle of decoding.
+    @triton.jit(do_not_specialize=["stride_hb", "stride_visb", "stride_visq", "stride_mb", "stride_mr"])
     def _flash_attention_kernel(
             q_ptr, k_ptr, v_ptr, o_ptr, kn_ptr, vn_ptr,
             cu_q_ptr, kv_start_ptr, kv_len_ptr, hidden_ptr, vis_ptr, track_ptr, mass_ptr,

@@ -93,7 +93,7 @@ if triton is not None:
             a, b = a.to(tl.float32), b.to(tl.float32)
         return tl.dot(a, b, acc, input_precision="ieee")
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["N"])  # the row count varies by step: no recompilation per N % 16
     def _fused_qkv_rope_kernel(
             x_ptr, w_ptr, bias_ptr, pos_ptr, inv_freq_ptr, slot_ptr, q_ptr, k_ptr, v_ptr,
             N, d, half, stride_xn, stride_wf, stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,

@@ -48,7 +48,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, e
 
 
 if triton is not None:
-    @triton.jit
+    @triton.jit(do_not_specialize=["N"])  # the row count varies by step: no recompilation per N % 16
     def _rms_norm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, stride_xn, stride_on, d, eps,
                          HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
         # One program: BLOCK_N whole rows, kept in registers between the sum of squares and the scaling.

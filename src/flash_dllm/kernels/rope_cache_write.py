@@ -76,7 +76,7 @@ if triton is not None:
         tl.store(p_out, b_1.to(p_out.dtype.element_ty), mask=m_out)
         tl.store(p_out + half, b_2.to(p_out.dtype.element_ty), mask=m_out)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["N"])  # the row count varies by step: no recompilation per N % 16
     def _rope_cache_write_kernel(
             qkv_ptr, pos_ptr, inv_freq_ptr, slot_ptr, q_ptr, k_ptr, v_ptr,
             N, half, stride_xn, stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,

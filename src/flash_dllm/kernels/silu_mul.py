@@ -44,7 +44,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 if triton is not None:
-    @triton.jit
+    @triton.jit(do_not_specialize=["N"])  # the row count varies by step: no recompilation per N % 16
     def _silu_mul_kernel(x_ptr, out_ptr, N, stride_xn, stride_on, inter,
                          BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr):
         # Program (row block, column block) of the output; up is the same columns of gate_up shifted by I.
