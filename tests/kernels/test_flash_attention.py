@@ -66,6 +66,16 @@ def test_key_mass_matches_reference(case, dtype):
     assert rel_err(mass, mass_ref) < 1e-5  # fp32 probabilities from exact products, whatever the input dtype
 
 
+def test_key_mass_when_a_query_tile_has_no_tracked_row():
+    """Flash-Cache's decoded rows come first: a tile of them skips the mass sweep and must add nothing."""
+    q, k_cache, v_cache, table = make_batch(*CASES["two-query-tiles"], torch.float32)
+    rows = torch.arange(q.shape[0], device=DEVICE)
+    table.track_rows = (rows >= 66) & (rows < 70)  # request 0's last rows only (its second tile)
+    mass, mass_ref = (torch.zeros(table.num_seqs, table.max_kv, device=DEVICE) for _ in range(2))
+    flash_attention(q, k_cache, v_cache, table, key_mass=mass)
+    ragged_attention_ref(q, k_cache, v_cache, table, key_mass=mass_ref)
+    assert rel_err(mass, mass_ref) < 1e-5 and mass[1].abs().sum() == 0
+
 def test_key_mass_is_the_same_every_run():
     """No atomics: a near-tie in the tracked set must not flip from one run to the next."""
     q, k_cache, v_cache, table = make_batch(*CASES["two-query-tiles"], torch.bfloat16)

@@ -20,6 +20,10 @@ from ..cache.block_table import BlockTable
 from ..cache.kv_cache import KVCache
 
 CAPTURE_AFTER = 3  # eager sightings of a shape before it is captured
+# Beyond this many query rows a pass is GPU-bound (its launches overlap its kernels), and a capture would
+# only keep its activations in the graph pool (H200, batch 16, every repeating shape captured: peak memory
+# 0.1-0.7 GB over weights + cache + 2 GB; it was within it without graphs).
+MAX_GRAPH_ROWS = 2048
 
 
 def _table_tensors(table: BlockTable) -> dict[str, torch.Tensor]:
@@ -91,6 +95,8 @@ class GraphedModel:
                        key_mass: torch.Tensor | None = None) -> torch.Tensor:
         if cache is not self.cache:
             raise ValueError("this GraphedModel's graphs write another KV cache")
+        if input_ids.shape[0] > MAX_GRAPH_ROWS:
+            return self.model.forward_cached(input_ids, positions, table, cache, key_mass)
         key = signature(input_ids, table, key_mass)
         captured = self.passes.get(key)
         if captured is None:

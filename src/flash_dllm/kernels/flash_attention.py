@@ -164,7 +164,9 @@ if triton is not None:
         if TRACK:  # second sweep: each cache key's final probability, summed over this tile's tracked rows
             b_track = (tl.load(track_ptr + q_begin + o_m, mask=m_m, other=0) != 0) & (b_l > 0)
             b_lse = b_m + tl.log2(tl.where(b_track, b_l, 1.0))
-            for start in range(0, kv_len, BLOCK_N):
+            # A tile without tracked rows (decoded positions only) skips the sweep; its partial row stays 0.
+            sweep_len = tl.where(tl.sum(b_track.to(tl.int32), 0) > 0, kv_len, 0)
+            for start in range(0, sweep_len, BLOCK_N):
                 b_s, m_key = _cache_scores(b_q, k_ptr, hidden_ptr, seq, kv_begin, kv_len, start, kv_head,
                                            stride_kn, stride_kh, stride_hb, qk_scale, o_d, m_d, HAS_HIDDEN,
                                            BLOCK_N, DOT_FP32)
