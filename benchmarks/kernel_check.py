@@ -75,7 +75,9 @@ def check_fused(batch, rows):
            baselines)
 
 
-def check_attention(batch, rows):
+def attention_inputs(batch, rows):
+    """Random q [batch * rows, H, D], a cache of batch ranges of KV_LEN rows, and their block table (half
+    the rows tracked)."""
     N = batch * rows
     q = torch.randn(N, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     k_cache, v_cache = (torch.randn(batch * KV_LEN, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
@@ -85,6 +87,11 @@ def check_attention(batch, rows):
                        kv_len=torch.full((batch,), KV_LEN, device="cuda"),
                        slot_mapping=torch.zeros(N, dtype=torch.long, device="cuda"),  # unused: no cache write here
                        max_q=rows, max_kv=KV_LEN, track_rows=torch.rand(N, device="cuda") < 0.5)
+    return q, k_cache, v_cache, table
+
+
+def check_attention(batch, rows):
+    q, k_cache, v_cache, table = attention_inputs(batch, rows)
     q4 = q.view(batch, rows, HEADS, HEAD_DIM).transpose(1, 2)
     k4, v4 = (c.view(batch, KV_LEN, HEADS, HEAD_DIM).transpose(1, 2) for c in (k_cache, v_cache))
     sdpa = ("SDPA dense", median_ms(lambda: F.scaled_dot_product_attention(q4, k4, v4)))

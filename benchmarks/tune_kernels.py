@@ -11,12 +11,10 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from flash_dllm.cache.block_table import BlockTable, cu_seqlens
 from flash_dllm.kernels import flash_attention as attention_module
 from flash_dllm.kernels import fused_qkv_rope as fused_module
 from flash_dllm.kernels.attention import ragged_attention_ref
-
-D_MODEL, HEADS, HEAD_DIM, KV_LEN, THETA = 4096, 32, 128, 768, 500000.0
+from kernel_check import D_MODEL, HEAD_DIM, HEADS, KV_LEN, THETA, attention_inputs  # benchmarks/
 
 
 def rel(a, b):
@@ -68,15 +66,7 @@ def tune_fused(N):
 
 
 def tune_attention(batch, rows, track):
-    N = batch * rows
-    q = torch.randn(N, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-    k_cache, v_cache = (torch.randn(batch * KV_LEN, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-                        for _ in range(2))
-    table = BlockTable(cu_seqlens_q=cu_seqlens([rows] * batch, "cuda"),
-                       kv_start=torch.arange(batch, device="cuda") * KV_LEN,
-                       kv_len=torch.full((batch,), KV_LEN, device="cuda"),
-                       slot_mapping=torch.zeros(N, dtype=torch.long, device="cuda"), max_q=rows, max_kv=KV_LEN,
-                       track_rows=torch.rand(N, device="cuda") < 0.5)
+    q, k_cache, v_cache, table = attention_inputs(batch, rows)
     mass = torch.zeros(batch, KV_LEN, device="cuda") if track else None
     reference = ragged_attention_ref(q, k_cache, v_cache, table)
     current = attention_module.launch_config(rows, HEAD_DIM)
@@ -98,7 +88,7 @@ def tune_attention(batch, rows, track):
     print(f"{name}: best {results[0][0]:.4f} ms {results[0][1]} | current {cur:.4f} | SDPA {sdpa:.4f}")
     for ms, c in results[1:4]:
         print(f"    {ms:.4f} {c}")
-    return (name, N, results[0][0], cur, sdpa, float("nan"), results[0][1])
+    return (name, q.shape[0], results[0][0], cur, sdpa, float("nan"), results[0][1])
 
 
 def main():
