@@ -2,15 +2,21 @@
 rows each request attends to."""
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 
 
+def device_tensor(values: list[int], device) -> torch.Tensor:
+    """A short host list of ints on the device without waiting for the GPU: a plain copy synchronises the
+    stream, a non-blocking one from pageable memory is staged at once and queued."""
+    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+
+
 def cu_seqlens(counts: list[int], device) -> torch.Tensor:
     """Per-request row counts -> offsets [B + 1] of each request's rows in the flat order."""
-    counts_t = torch.tensor(counts, dtype=torch.long, device=device)
-    return torch.cat([torch.zeros(1, dtype=torch.long, device=device), counts_t.cumsum(0)])
+    return device_tensor([0, *itertools.accumulate(counts)], device)
 
 
 @dataclass

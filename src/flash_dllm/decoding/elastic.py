@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..cache.block_table import BlockTable, cu_seqlens
+from ..cache.block_table import BlockTable, cu_seqlens, device_tensor
 from ..cache.kv_cache import KVCache
 from ..engine.batch import DecodeBatch
 from ..models.llada import Rotary, apply_rotary, rotary_cos_sin
@@ -121,9 +121,9 @@ class _Pass:
               window: torch.Tensor) -> _Pass:
         """The columns `selected` [B, W] of the batch rows in `order`; counts: how many each row selects."""
         device, width = batch.tokens.device, batch.tokens.shape[1]
-        order_t = torch.tensor(order, device=device)
+        order_t = device_tensor(order, device)
         num_rows, cu = sum(counts), cu_seqlens(counts, device)
-        group = torch.repeat_interleave(torch.arange(len(order), device=device), torch.tensor(counts, device=device),
+        group = torch.repeat_interleave(torch.arange(len(order), device=device), device_tensor(counts, device),
                                         output_size=num_rows)
         chosen = leading_columns(selected[order_t], max(counts))[0]
         column = chosen[group, torch.arange(num_rows, device=device) - cu[group]]

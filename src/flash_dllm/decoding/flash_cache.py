@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cache.block_table import BlockTable, cu_seqlens
+from ..cache.block_table import BlockTable, cu_seqlens, device_tensor
 from ..cache.kv_cache import KVCache
 from ..engine.batch import DecodeBatch
 
@@ -55,28 +55,31 @@ def flash_cache_logits(model, batch: DecodeBatch, cache: KVCache, block_columns:
     counts = query_counts(batch)
     batch.count_query_rows(counts)
     width, lengths = batch.tokens.shape[1], batch.lengths
-    chosen = torch.topk(query_priority(batch, mask_id), max(counts), dim=1).indices   # [B, Qmax]
-    valid = torch.arange(max(counts), device=device) < torch.tensor(counts, device=device)[:, None]
+    max_q, num_rows = max(counts), sum(counts)
+    chosen = torch.topk(query_priority(batch, mask_id), max_q, dim=1).indices          # [B, Qmax]
+    valid = torch.arange(max_q, device=device) < device_tensor(counts, device)[:, None]
     chosen = torch.where(valid, chosen, width).sort(dim=1).values                      # ascending, invalid last
-    rows = torch.arange(len(counts), device=device)[:, None].expand_as(chosen)[valid]
-    columns = chosen[valid]                                                             # [N] flat, by sequence
+    # The valid entries' flat indices come from the host counts: boolean indexing would sync with the host.
+    flat = device_tensor([b * max_q + i for b, count in enumerate(counts) for i in range(count)], device)
+    rows, columns = flat // max_q, chosen.flatten()[flat]                               # [N] flat, by sequence
     positions = columns - (width - lengths)[rows]
     input_ids = batch.tokens[rows, columns]
     table = BlockTable(cu_seqlens_q=cu_seqlens(counts, device), kv_start=batch.cache_base, kv_len=lengths,
-                       slot_mapping=batch.cache_base[rows] + positions, max_q=max(counts),
+                       slot_mapping=batch.cache_base[rows] + positions, max_q=max_q,
                        max_kv=int(max(seq.length for seq in batch.seqs)), track_rows=input_ids == mask_id)
     key_mass = torch.zeros(len(counts), table.max_kv, device=device)
     hidden = model.forward_cached(input_ids, positions, table, cache, key_mass=key_mass)
 
-    # key_mass is indexed by position; store it by column for the next step's choice
+    # key_mass is indexed by position; store it by column for the next step's choice. Offsets past a row's
+    # length add their 0 to its last column (a scatter without boolean indexing).
     kv_columns = (width - lengths)[:, None] + torch.arange(table.max_kv, device=device)
     in_range = torch.arange(table.max_kv, device=device) < lengths[:, None]
     mass = torch.zeros_like(batch.position_state["key_mass"])
-    mass[torch.arange(len(counts), device=device)[:, None].expand_as(kv_columns)[in_range], kv_columns[in_range]] = key_mass[in_range]
+    mass.scatter_add_(1, kv_columns.clamp(max=width - 1), torch.where(in_range, key_mass, 0.0))
     batch.position_state["key_mass"] = mass
 
     flat_of_column = torch.full_like(batch.tokens, -1)
-    flat_of_column[rows, columns] = torch.arange(rows.shape[0], device=device)
+    flat_of_column[rows, columns] = torch.arange(num_rows, device=device)
     block_rows = flat_of_column.gather(1, block_columns).clamp(min=0)
     return model.compute_logits(hidden[block_rows]).float(), chosen
 

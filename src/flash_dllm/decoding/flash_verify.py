@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cache.block_table import BlockTable, cu_seqlens
+from ..cache.block_table import BlockTable, cu_seqlens, device_tensor
 from ..cache.kv_cache import KVCache
 from ..engine.batch import DecodeBatch
 from .flash_cache import flash_cache_logits
@@ -112,7 +112,7 @@ def _verify(model, batch, cache, counts, columns, valid, ids, role, ranks, slot,
     flat_index.scatter_(1, slot, torch.where(valid, valid.flatten().long().cumsum(0).view_as(valid) - 1, -1))
     mask_rows = flat_index[:, num_slots - n:].clamp(min=0)                        # [B, n] by rank
     probs = torch.softmax(model.compute_logits(hidden[mask_rows]).double(), dim=-1)
-    mask_choice = probs.index_fill(-1, torch.tensor([mask_id], device=device), -1.0).argmax(dim=-1)
+    mask_choice = probs.index_fill(-1, device_tensor([mask_id], device), -1.0).argmax(dim=-1)
     draft_by_rank = drafts.gather(1, s_order)
     if params.acceptance == "cumprod":
         ok = probs.gather(-1, draft_by_rank[..., None]).squeeze(-1).cumprod(dim=1) >= params.gamma

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from ..cache.block_table import device_tensor
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -65,7 +67,7 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, seed: torch.T
     if sample:
         u = counter_uniform(seed, step, column, NOISE_STREAM, logits.shape[-1])
         scores = logits - temperature.double()[:, None, None] * torch.log(-torch.log(u))
-    scores = scores.index_fill(-1, torch.tensor([mask_id], device=scores.device), float("-inf"))
+    scores = scores.index_fill(-1, device_tensor([mask_id], scores.device), float("-inf"))
     tokens = scores.argmax(dim=-1)
     confidence = torch.softmax(logits, dim=-1).gather(-1, tokens[..., None]).squeeze(-1)
     return tokens, confidence
