@@ -56,15 +56,16 @@ def flash_cache_logits(model, batch: DecodeBatch, cache: KVCache, block_columns:
     batch.count_query_rows(counts)
     width, lengths = batch.tokens.shape[1], batch.lengths
     max_q, num_rows = max(counts), sum(counts)
+    counts_t, cu = device_tensor(counts, device), cu_seqlens(counts, device)
     chosen = torch.topk(query_priority(batch, mask_id), max_q, dim=1).indices          # [B, Qmax]
-    valid = torch.arange(max_q, device=device) < device_tensor(counts, device)[:, None]
+    valid = torch.arange(max_q, device=device) < counts_t[:, None]
     chosen = torch.where(valid, chosen, width).sort(dim=1).values                      # ascending, invalid last
-    # The valid entries' flat indices come from the host counts: boolean indexing would sync with the host.
-    flat = device_tensor([b * max_q + i for b, count in enumerate(counts) for i in range(count)], device)
-    rows, columns = flat // max_q, chosen.flatten()[flat]                               # [N] flat, by sequence
+    # Each flat row's sequence and rank from the host counts: boolean indexing would sync with the host.
+    rows = torch.repeat_interleave(torch.arange(len(counts), device=device), counts_t, output_size=num_rows)
+    columns = chosen[rows, torch.arange(num_rows, device=device) - cu[rows]]          # [N] flat, by sequence
     positions = columns - (width - lengths)[rows]
     input_ids = batch.tokens[rows, columns]
-    table = BlockTable(cu_seqlens_q=cu_seqlens(counts, device), kv_start=batch.cache_base, kv_len=lengths,
+    table = BlockTable(cu_seqlens_q=cu, kv_start=batch.cache_base, kv_len=lengths,
                        slot_mapping=batch.cache_base[rows] + positions, max_q=max_q,
                        max_kv=int(max(seq.length for seq in batch.seqs)), track_rows=input_ids == mask_id)
     key_mass = torch.zeros(len(counts), table.max_kv, device=device)
