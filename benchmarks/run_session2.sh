@@ -11,6 +11,6 @@ mkdir -p /tmp/r6 && cp src/flash_dllm/assets/default/*.json /tmp/r6/ && cp /tmp/
 timeout 120 python -c 'from flash_dllm.cli import main; main()' demo --model /tmp/r6 --device cuda --dtype float32 \
     --items 200 --passkey-length 1024 --methods reference parallel > $OUT/eval.txt 2>&1; tail -8 $OUT/eval.txt
 timeout 90 python -m pytest -q tests/kernels tests/models/test_kernel_path.py > $OUT/gpu_tests.txt 2>&1; tail -3 $OUT/gpu_tests.txt
-timeout 60 python benchmarks/kernel_check.py > $OUT/kernel_check.txt 2>&1; tail -30 $OUT/kernel_check.txt
+timeout 60 python -m flash_dllm.cli bench kernels > $OUT/kernel_check.txt 2>&1; tail -30 $OUT/kernel_check.txt
 timeout 140 python -c 'from flash_dllm.cli import main; main()' demo --model /tmp/r6 --device cuda --dtype float32 \
     --items 100 --passkey-length 1024 > $OUT/methods.txt 2>&1; tail -32 $OUT/methods.txt

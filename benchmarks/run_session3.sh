@@ -10,7 +10,7 @@ timeout 120 python -m pytest -q tests/kernels tests/models/test_kernel_path.py t
     > $OUT/gpu_tests.txt 2>&1
 tail -4 $OUT/gpu_tests.txt
 graphs=on; grep -q "FAILED tests/engine\|FAILED tests/models" $OUT/gpu_tests.txt && graphs=off
-timeout 40 python benchmarks/kernel_check.py > $OUT/kernel_check.txt 2>&1
+timeout 40 python -m flash_dllm.cli bench kernels > $OUT/kernel_check.txt 2>&1
 cat $OUT/kernel_check.txt
 timeout 170 python -m flash_dllm.cli bench step --cuda-graphs $graphs --batch-sizes 1 8 16 32 \
     --methods prefix-cache dual-cache flash-cache flash-verify > $OUT/bench_step.txt 2> $OUT/bench_step.err

@@ -11,15 +11,14 @@ import torch
 import triton
 from triton.testing import do_bench
 
+from flash_dllm.bench.kernels import attention_inputs, rel_err
 from flash_dllm.kernels import flash_attention as attention_module
 from flash_dllm.kernels import fused_qkv_rope as fused_module
 from flash_dllm.kernels.attention import ragged_attention_ref
-from kernel_check import D_MODEL, HEAD_DIM, HEADS, KV_LEN, THETA, attention_inputs  # benchmarks/
+from flash_dllm.models.loader import random_config
 
-
-def rel(a, b):
-    a, b = a.double(), b.double()
-    return float("inf") if a.isnan().any() else ((a - b).norm() / b.norm()).item()
+CONFIG = random_config("llada-8b")
+D_MODEL, HEADS, HEAD_DIM, KV_LEN, THETA = CONFIG.hidden_size, CONFIG.num_heads, CONFIG.head_dim, 768, CONFIG.rope_theta
 
 
 def search(module, configs, run, reference):
@@ -29,7 +28,7 @@ def search(module, configs, run, reference):
     for config in configs:
         module.launch_config = lambda *a, c=config: dict(c)
         try:
-            err = rel(run(), reference)
+            err = rel_err(run(), reference)
             ms = do_bench(run, warmup=10, rep=40) if err < 1e-2 else float("inf")
         except Exception as exc:  # out of shared memory and the like
             print(f"  {config}: {type(exc).__name__}")
@@ -66,7 +65,7 @@ def tune_fused(N):
 
 
 def tune_attention(batch, rows, track):
-    q, k_cache, v_cache, table = attention_inputs(batch, rows)
+    q, k_cache, v_cache, table = attention_inputs(CONFIG, batch, rows, KV_LEN, torch.bfloat16, "cuda")
     mass = torch.zeros(batch, KV_LEN, device="cuda") if track else None
     reference = ragged_attention_ref(q, k_cache, v_cache, table)
     current = attention_module.launch_config(rows, HEAD_DIM)

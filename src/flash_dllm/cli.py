@@ -138,11 +138,19 @@ def cmd_bench(args):
     import torch
 
     from .bench.forward import bench_forward, format_table
+    from .bench.kernels import bench_kernels, format_table as format_kernel_table
     from .bench.step import bench_step, format_table as format_step_table
 
     llm = llm_from_args(args)
     device_name = torch.cuda.get_device_name(llm.device) if llm.device.type == "cuda" else "cpu"
     print(f"# bench {args.bench}: {args.model} on {device_name}, {llm.dtype}")
+    if args.bench == "kernels":
+        if llm.device.type != "cuda" and not llm.model.use_kernels:
+            raise ValueError("bench kernels runs the Triton kernels: it needs a CUDA device (or TRITON_INTERPRET=1)")
+        results = [r for batch in args.batch_sizes
+                   for r in bench_kernels(llm.model, batch, args.rows, args.kv_length, args.warmup, args.iters)]
+        print(format_kernel_table(results))
+        return
     if args.bench == "forward":
         results = [bench_forward(llm.model, batch, args.length, rows, iters=args.iters)
                    for batch in args.batch_sizes
@@ -337,6 +345,14 @@ def build_parser() -> argparse.ArgumentParser:
     forward.add_argument("--block-length", type=int, default=32, help="LM-head rows of the engine's variant")
     forward.add_argument("--iters", type=int, default=10)
     forward.set_defaults(func=cmd_bench)
+    kernels = bench_sub.add_parser("kernels", help="each Triton kernel against its PyTorch path and cuBLAS / SDPA")
+    add_model_args(kernels)
+    kernels.set_defaults(model="random:llada-8b", func=cmd_bench)
+    kernels.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
+    kernels.add_argument("--rows", type=int, default=128, help="query rows per request")
+    kernels.add_argument("--kv-length", type=int, default=768, help="cache positions per request")
+    kernels.add_argument("--warmup", type=int, default=10, help="untimed calls per kernel first")
+    kernels.add_argument("--iters", type=int, default=50, help="timed calls per kernel (median)")
     step = bench_sub.add_parser("step", help="one decoding iteration per method and batch size (forced schedule)")
     add_model_args(step)
     step.set_defaults(model="random:llada-8b")
