@@ -68,7 +68,7 @@ def tune_attention(batch, rows, track):
     q, k_cache, v_cache, table = attention_inputs(CONFIG, batch, rows, KV_LEN, torch.bfloat16, "cuda")
     mass = torch.zeros(batch, KV_LEN, device="cuda") if track else None
     reference = ragged_attention_ref(q, k_cache, v_cache, table)
-    current = attention_module.launch_config(rows, HEAD_DIM)
+    current = attention_module.launch_config(rows)
     configs = [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
                for bm, bn, w, s in itertools.product([32, 64, 128], [32, 64, 128], [4, 8], [2, 3])
                if bm <= max(16, triton.next_power_of_2(rows)) and not (bm == 128 and bn == 128 and s == 3)]

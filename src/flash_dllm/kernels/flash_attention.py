@@ -21,7 +21,7 @@ except ImportError:  # the package imports without triton; only the kernel needs
     triton = None
 
 
-def launch_config(max_q: int, head_dim: int) -> dict:
+def launch_config(max_q: int) -> dict:
     """Tile sizes by query rows per request (tuned on the H200 at LLaDA-8B shapes, benchmarks/tune_kernels.py)."""
     if max_q <= 32:
         return dict(BLOCK_M=max(16, triton.next_power_of_2(max_q)), BLOCK_N=128, num_warps=4, num_stages=3)
@@ -54,7 +54,7 @@ def flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     visibility = table.self_visibility.contiguous().view(torch.uint8) if has_new else q
     hidden = hidden.contiguous().view(torch.uint8) if hidden is not None else q
     track_rows = table.track_rows.contiguous().view(torch.uint8) if track else q
-    config = launch_config(table.max_q, D)
+    config = launch_config(table.max_q)
     grid = (table.num_seqs, triton.cdiv(table.max_q, config["BLOCK_M"]), H)
     # Atomics would add the partial masses in a different order every run, and a near-tie in the tracked
     # set could then flip a token; partial rows summed after the launch give the same mass every time.

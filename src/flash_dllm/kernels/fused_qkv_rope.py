@@ -12,11 +12,13 @@ import os
 import torch
 import torch.nn.functional as F
 
-from .rope_cache_write import rope_cache_write, rope_cache_write_ref, rope_inv_freq, store_halves
+from .rope_cache_write import rope_cache_write, rope_cache_write_ref, rope_inv_freq
 
 try:
     import triton
     import triton.language as tl
+
+    from .rope_cache_write import rotate_and_store
 except ImportError:  # the reference works without triton; only the kernel needs it
     triton = None
 
@@ -127,20 +129,5 @@ if triton is not None:
         # The reference rotates the projection after rounding it to the input dtype.
         b_1 = b_1.to(x_ptr.dtype.element_ty).to(tl.float32)
         b_2 = b_2.to(x_ptr.dtype.element_ty).to(tl.float32)
-        m_out = m_n[:, None] & m_j[None, :]
-        if head < NUM_HEADS + NUM_KV_HEADS:  # q and k heads are rotated, v heads are not
-            b_pos = tl.load(pos_ptr + o_n, mask=m_n, other=0).to(tl.float32)
-            b_freq = b_pos[:, None] * tl.load(inv_freq_ptr + o_j, mask=m_j, other=0.0)[None, :]
-            b_cos, b_sin = tl.cos(b_freq), tl.sin(b_freq)
-            b_1, b_2 = b_1 * b_cos - b_2 * b_sin, b_2 * b_cos + b_1 * b_sin
-        if head < NUM_HEADS:
-            store_halves(q_ptr + o_n[:, None] * stride_qn + head * stride_qh + o_j[None, :], b_1, b_2, half, m_out)
-        else:
-            b_slot = tl.load(slot_ptr + o_n, mask=m_n, other=0)
-            kv_head = (head - NUM_HEADS) % NUM_KV_HEADS
-            if head < NUM_HEADS + NUM_KV_HEADS:
-                p_k = k_ptr + b_slot[:, None] * stride_kn + kv_head * stride_kh + o_j[None, :]
-                store_halves(p_k, b_1, b_2, half, m_out)
-            else:
-                p_v = v_ptr + b_slot[:, None] * stride_vn + kv_head * stride_vh + o_j[None, :]
-                store_halves(p_v, b_1, b_2, half, m_out)
+        rotate_and_store(b_1, b_2, head, o_n, o_j, N, half, pos_ptr, inv_freq_ptr, slot_ptr, q_ptr, k_ptr, v_ptr,
+                         stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, NUM_HEADS, NUM_KV_HEADS)

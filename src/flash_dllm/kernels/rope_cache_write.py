@@ -71,10 +71,36 @@ def rope_cache_write(qkv: torch.Tensor, positions: torch.Tensor, slot_mapping: t
 
 if triton is not None:
     @triton.jit
-    def store_halves(p_out, b_1, b_2, half, m_out):
+    def _store_halves(p_out, b_1, b_2, half, m_out):
         """A head's rotate-half pair of column blocks: b_1 at columns j, b_2 at j + half."""
         tl.store(p_out, b_1.to(p_out.dtype.element_ty), mask=m_out)
         tl.store(p_out + half, b_2.to(p_out.dtype.element_ty), mask=m_out)
+
+    @triton.jit
+    def rotate_and_store(b_1, b_2, head, o_n, o_j, N, half, pos_ptr, inv_freq_ptr, slot_ptr, q_ptr, k_ptr, v_ptr,
+                         stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
+                         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr):
+        """Head `head` of q|k|v at rows o_n, as fp32 column pairs (b_1 at columns o_j, b_2 at o_j + half):
+        q and k heads rotated by RoPE at the rows' positions; q stored to its rows, k and v to the cache rows
+        of slot_mapping. Shared by both kernels of the QKV path."""
+        m_n, m_j = o_n < N, o_j < half
+        m = m_n[:, None] & m_j[None, :]
+        if head < NUM_HEADS + NUM_KV_HEADS:  # q and k heads are rotated, v heads are not
+            b_pos = tl.load(pos_ptr + o_n, mask=m_n, other=0).to(tl.float32)
+            b_freq = b_pos[:, None] * tl.load(inv_freq_ptr + o_j, mask=m_j, other=0.0)[None, :]
+            b_cos, b_sin = tl.cos(b_freq), tl.sin(b_freq)
+            b_1, b_2 = b_1 * b_cos - b_2 * b_sin, b_2 * b_cos + b_1 * b_sin
+        if head < NUM_HEADS:
+            _store_halves(q_ptr + o_n[:, None] * stride_qn + head * stride_qh + o_j[None, :], b_1, b_2, half, m)
+        else:
+            b_slot = tl.load(slot_ptr + o_n, mask=m_n, other=0)
+            kv_head = (head - NUM_HEADS) % NUM_KV_HEADS
+            if head < NUM_HEADS + NUM_KV_HEADS:
+                _store_halves(k_ptr + b_slot[:, None] * stride_kn + kv_head * stride_kh + o_j[None, :],
+                              b_1, b_2, half, m)
+            else:
+                _store_halves(v_ptr + b_slot[:, None] * stride_vn + kv_head * stride_vh + o_j[None, :],
+                              b_1, b_2, half, m)
 
     @triton.jit(do_not_specialize=["N"])  # the row count varies by step: no recompilation per N % 16
     def _rope_cache_write_kernel(
@@ -89,19 +115,5 @@ if triton is not None:
         p_in = qkv_ptr + o_n[:, None] * stride_xn + head * 2 * half + o_j[None, :]
         b_1 = tl.load(p_in, mask=m, other=0.0).to(tl.float32)
         b_2 = tl.load(p_in + half, mask=m, other=0.0).to(tl.float32)
-        if head < NUM_HEADS + NUM_KV_HEADS:  # q and k heads are rotated, v heads are not
-            b_pos = tl.load(pos_ptr + o_n, mask=o_n < N, other=0).to(tl.float32)
-            b_freq = b_pos[:, None] * tl.load(inv_freq_ptr + o_j, mask=o_j < half, other=0.0)[None, :]
-            b_cos, b_sin = tl.cos(b_freq), tl.sin(b_freq)
-            b_1, b_2 = b_1 * b_cos - b_2 * b_sin, b_2 * b_cos + b_1 * b_sin
-        if head < NUM_HEADS:
-            store_halves(q_ptr + o_n[:, None] * stride_qn + head * stride_qh + o_j[None, :], b_1, b_2, half, m)
-        else:
-            b_slot = tl.load(slot_ptr + o_n, mask=o_n < N, other=0)
-            kv_head = (head - NUM_HEADS) % NUM_KV_HEADS
-            if head < NUM_HEADS + NUM_KV_HEADS:
-                store_halves(k_ptr + b_slot[:, None] * stride_kn + kv_head * stride_kh + o_j[None, :],
-                             b_1, b_2, half, m)
-            else:
-                store_halves(v_ptr + b_slot[:, None] * stride_vn + kv_head * stride_vh + o_j[None, :],
-                             b_1, b_2, half, m)
+        rotate_and_store(b_1, b_2, head, o_n, o_j, N, half, pos_ptr, inv_freq_ptr, slot_ptr, q_ptr, k_ptr, v_ptr,
+                         stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, NUM_HEADS, NUM_KV_HEADS)
