@@ -7,7 +7,7 @@ import torch
 
 from flash_dllm import LLM, SamplingParams
 from flash_dllm.cache.block_table import BlockTable, cu_seqlens
-from flash_dllm.engine.cuda_graphs import signature
+from flash_dllm.engine.cuda_graphs import CAPTURE_AFTER, MAX_GRAPH_ROWS, GraphedModel, signature
 
 METHODS = [dict(method="prefix-cache"), dict(method="dual-cache"),
            dict(method="flash-cache", tracking_budget=4, mask_window=8),
@@ -50,3 +50,57 @@ def test_signature_tells_apart_every_shape_a_pass_depends_on():
     others = [key([4, 4, 4], 20), key([5, 3], 20), key([4, 4], 21), key([4, 4], 20, write_cache=False),
               key([4, 4], 20, track=True), key([4, 4], 20, track=True, mass=True)]
     assert len({base, *others}) == 1 + len(others)
+
+
+class CountingModel:
+    """Stands in for the model: counts eager passes (no GPU needed for the capture policy)."""
+    use_kernels = True
+
+    def __init__(self):
+        self.eager = 0
+
+    def forward_cached(self, input_ids, positions, table, cache, key_mass=None):
+        self.eager += 1
+        return input_ids
+
+
+class FakeCapture:
+    def __init__(self, *args):
+        self.replays = 0
+
+    def replay(self, input_ids, positions, table, key_mass):
+        self.replays += 1
+        return input_ids
+
+
+def make_pass(rows: int, max_kv: int = 20):
+    table = BlockTable(cu_seqlens_q=cu_seqlens([rows], "cpu"), kv_start=torch.zeros(1, dtype=torch.long),
+                       kv_len=torch.full((1,), max_kv), slot_mapping=torch.arange(rows), max_q=rows, max_kv=max_kv)
+    return torch.zeros(rows, dtype=torch.long), torch.arange(rows), table
+
+
+def test_capture_policy(monkeypatch):
+    """Eager for the first CAPTURE_AFTER sightings of a shape, then captured once and replayed; the least
+    recently used graph goes first; passes over MAX_GRAPH_ROWS rows and other caches are never captured."""
+    monkeypatch.setattr(GraphedModel, "_capture", lambda self, *args: FakeCapture())
+    model, cache = CountingModel(), object()
+    graphed = GraphedModel(model, cache, max_graphs=2)
+    ids, positions, table = make_pass(8)
+    for _ in range(CAPTURE_AFTER + 3):
+        graphed.forward_cached(ids, positions, table, cache)
+    assert (model.eager, graphed.captures, graphed.replays) == (CAPTURE_AFTER, 1, 3)
+
+    for rows in (9, 10):  # two more shapes: the first one's graph is evicted
+        for _ in range(CAPTURE_AFTER + 1):
+            graphed.forward_cached(*make_pass(rows), cache)
+    assert graphed.captures == 3 and len(graphed.passes) == 2
+    eager = model.eager
+    graphed.forward_cached(ids, positions, table, cache)
+    assert model.eager == eager + 1  # counted afresh
+
+    big = make_pass(MAX_GRAPH_ROWS + 1)
+    for _ in range(CAPTURE_AFTER + 2):
+        graphed.forward_cached(*big, cache)
+    assert graphed.captures == 3
+    with pytest.raises(ValueError, match="another KV cache"):
+        graphed.forward_cached(ids, positions, table, object())

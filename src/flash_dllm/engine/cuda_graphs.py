@@ -84,8 +84,8 @@ class GraphedModel:
         self.model, self.cache, self.max_graphs = model, cache, max_graphs
         self.passes: OrderedDict[tuple, _CapturedPass] = OrderedDict()
         self.sightings: dict[tuple, int] = {}  # eager runs of each shape not captured
-        self.pool = None  # one memory pool for all graphs: they never run at the same time
-        self.stream = torch.cuda.Stream(cache.k[0].device)  # captures run off the default stream
+        self.pool = None    # one memory pool for all graphs: they never run at the same time
+        self.stream = None  # captures run off the default stream, on this one (made at the first)
         self.captures = self.replays = 0
 
     def __getattr__(self, name):  # only called for names not found on the wrapper
@@ -106,13 +106,17 @@ class GraphedModel:
                 self.sightings[key] = self.sightings.get(key, 0) + 1
                 return self.model.forward_cached(input_ids, positions, table, cache, key_mass)
             del self.sightings[key]
-            captured = _CapturedPass(self.model, input_ids, positions, table, cache, key_mass, self.pool,
-                                     self.stream)
-            self.pool = captured.graph.pool()
-            self.passes[key] = captured
+            captured = self.passes[key] = self._capture(input_ids, positions, table, key_mass)
             self.captures += 1
             if len(self.passes) > self.max_graphs:
                 self.passes.popitem(last=False)
         self.passes.move_to_end(key)
         self.replays += 1
         return captured.replay(input_ids, positions, table, key_mass)
+
+    def _capture(self, input_ids, positions, table: BlockTable, key_mass) -> _CapturedPass:
+        self.stream = self.stream or torch.cuda.Stream(input_ids.device)
+        captured = _CapturedPass(self.model, input_ids, positions, table, self.cache, key_mass, self.pool,
+                                 self.stream)
+        self.pool = captured.graph.pool()
+        return captured
