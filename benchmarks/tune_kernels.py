@@ -3,8 +3,10 @@ config is checked against the PyTorch reference, timed with triton.testing.do_be
 shape is printed beside the baseline (cuBLAS matmul alone for the fused kernel, the current config).
 The winners go into each kernel's launch_config by hand.
 
-    PYTHONPATH=src python benchmarks/tune_kernels.py
+    PYTHONPATH=src python benchmarks/tune_kernels.py [--kernels attention --attention-cases 32:112:verify]
 """
+import argparse
+import dataclasses
 import itertools
 
 import torch
@@ -26,7 +28,7 @@ def search(module, configs, run, reference):
     original = module.launch_config
     results = []
     for config in configs:
-        module.launch_config = lambda *a, c=config: dict(c)
+        module.launch_config = lambda *a, c=config, **kw: dict(c)
         try:
             err = rel_err(run(), reference)
             ms = do_bench(run, warmup=10, rep=40) if err < 1e-2 else float("inf")
@@ -64,26 +66,34 @@ def tune_fused(N):
     return ("fused", N, results[0][0], cur, cublas, max(floor, flops), results[0][1])
 
 
-def tune_attention(batch, rows, track):
+def tune_attention(batch, rows, mode):
+    """mode: "plain", "mass" (key mass of every row) or "verify" (own keys under a visibility mask, hidden
+    cache keys)."""
     q, k_cache, v_cache, table = attention_inputs(CONFIG, batch, rows, KV_LEN, torch.bfloat16, "cuda")
-    mass = torch.zeros(batch, KV_LEN, device="cuda") if track else None
-    reference = ragged_attention_ref(q, k_cache, v_cache, table)
-    current = attention_module.launch_config(rows)
+    mass = torch.zeros(batch, KV_LEN, device="cuda") if mode == "mass" else None
+    extra = {}
+    if mode == "verify":
+        table = dataclasses.replace(table, write_cache=False,
+                                    hidden_keys=torch.rand(batch, KV_LEN, device="cuda") < 0.1,
+                                    self_visibility=torch.rand(batch, rows, rows, device="cuda") < 0.5)
+        extra = dict(zip(("k_new", "v_new"), (torch.randn_like(q) for _ in range(2))))
+    reference = ragged_attention_ref(q, k_cache, v_cache, table, **extra)
+    current = attention_module.launch_config(rows, verify=mode == "verify", num_seqs=batch)
     configs = [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
                for bm, bn, w, s in itertools.product([32, 64, 128], [32, 64, 128], [4, 8], [2, 3])
-               if bm <= max(16, triton.next_power_of_2(rows)) and not (bm == 128 and bn == 128 and s == 3)]
+               if bm <= max(16, triton.next_power_of_2(rows)) and not (bm == 128 and (bn == 128 or w == 4))]
 
     def run():
         if mass is not None:
             mass.zero_()
-        return attention_module.flash_attention(q, k_cache, v_cache, table, mass)
+        return attention_module.flash_attention(q, k_cache, v_cache, table, mass, **extra)
     results = search(attention_module, [current] + configs, run, reference)
     sdpa_q = q.view(batch, rows, HEADS, HEAD_DIM).transpose(1, 2)
     sdpa_k = k_cache.view(batch, KV_LEN, HEADS, HEAD_DIM).transpose(1, 2)
     sdpa_v = v_cache.view(batch, KV_LEN, HEADS, HEAD_DIM).transpose(1, 2)
     sdpa = do_bench(lambda: torch.nn.functional.scaled_dot_product_attention(sdpa_q, sdpa_k, sdpa_v), warmup=10, rep=40)
     cur = next(ms for ms, c in results if c == current)
-    name = f"attention B={batch} q={rows}{' +mass' if track else ''}"
+    name = f"attention B={batch} q={rows} {mode}"
     print(f"{name}: best {results[0][0]:.4f} ms {results[0][1]} | current {cur:.4f} | SDPA {sdpa:.4f}")
     for ms, c in results[1:4]:
         print(f"    {ms:.4f} {c}")
@@ -91,9 +101,17 @@ def tune_attention(batch, rows, track):
 
 
 def main():
-    rows = [tune_fused(N) for N in (32, 144, 1152, 4608)]
-    rows += [tune_attention(b, q, t) for b, q, t in ((1, 32, False), (1, 144, True), (32, 144, True),
-                                                   (32, 32, False), (32, 241, False))]
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kernels", nargs="+", choices=["fused", "attention"], default=["fused", "attention"])
+    ap.add_argument("--attention-cases", nargs="+", default=["1:32:plain", "1:144:mass", "32:144:mass", "32:32:plain",
+                                                             "32:241:plain", "1:112:verify", "32:112:verify"],
+                    help="batch:rows:mode, mode plain, mass or verify")
+    args = ap.parse_args()
+    rows = [tune_fused(N) for N in (32, 144, 1152, 4608)] if "fused" in args.kernels else []
+    if "attention" in args.kernels:
+        for case in args.attention_cases:
+            batch, q, mode = case.split(":")
+            rows.append(tune_attention(int(batch), int(q), mode))
     print("\n| kernel | rows | best ms | current ms | baseline ms (cuBLAS / SDPA) | floor ms | best config |")
     print("|---|---|---|---|---|---|---|")
     for name, N, best, cur, base, floor, config in rows:

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from flash_dllm import LLM, SamplingParams
+from flash_dllm.cache import KVCache
 from flash_dllm.cache.block_table import BlockTable, cu_seqlens
-from flash_dllm.engine.cuda_graphs import CAPTURE_AFTER, MAX_GRAPH_ROWS, GraphedModel, signature
+from flash_dllm.engine.cuda_graphs import CAPTURE_AFTER, MAX_GRAPH_ROWS, GraphedModel, bucket, pad_verify_pass, signature
 
 METHODS = [dict(method="prefix-cache"), dict(method="dual-cache"),
            dict(method="flash-cache", tracking_budget=4, mask_window=8),
@@ -73,10 +74,13 @@ class FakeCapture:
         return input_ids
 
 
-def make_pass(rows: int, max_kv: int = 20):
+def make_pass(rows: int, max_kv: int = 20, write_cache: bool = True):
+    verify = {} if write_cache else dict(write_cache=False, hidden_keys=torch.zeros(1, max_kv, dtype=torch.bool),
+                                         self_visibility=torch.ones(1, rows, rows, dtype=torch.bool))
     table = BlockTable(cu_seqlens_q=cu_seqlens([rows], "cpu"), kv_start=torch.zeros(1, dtype=torch.long),
-                       kv_len=torch.full((1,), max_kv), slot_mapping=torch.arange(rows), max_q=rows, max_kv=max_kv)
-    return torch.zeros(rows, dtype=torch.long), torch.arange(rows), table
+                       kv_len=torch.full((1,), max_kv), slot_mapping=torch.arange(rows), max_q=rows, max_kv=max_kv,
+                       **verify)
+    return torch.arange(rows) + 1, torch.arange(rows), table
 
 
 def test_capture_policy(monkeypatch):
@@ -104,3 +108,45 @@ def test_capture_policy(monkeypatch):
     assert graphed.captures == 3
     with pytest.raises(ValueError, match="another KV cache"):
         graphed.forward_cached(ids, positions, table, object())
+
+
+def test_verify_passes_of_one_bucket_share_a_graph(monkeypatch):
+    """Passes that do not write the cache are replayed padded to a bucket of rows: row counts that vary
+    within one bucket share one graph, and the output keeps only the pass's own rows."""
+    monkeypatch.setattr(GraphedModel, "_capture", lambda self, *args: FakeCapture())
+    model, cache = CountingModel(), object()
+    graphed = GraphedModel(model, cache)
+    assert bucket(97) == bucket(100) == 112 and bucket(16) == 16 and bucket(1000) == 1024
+    for rows in (97, 100, 103, 110, 99, 112):
+        out = graphed.forward_cached(*make_pass(rows, write_cache=False), cache)
+        assert torch.equal(out, torch.arange(rows) + 1)
+    assert (model.eager, graphed.captures, graphed.replays) == (CAPTURE_AFTER, 1, 3)
+    graphed.forward_cached(*make_pass(113, write_cache=False), cache)  # the next bucket
+    assert model.eager == CAPTURE_AFTER + 1
+
+
+def test_a_padded_verify_pass_gives_the_same_rows(gqa_checkpoint):
+    """The padding rows belong to no request: the kernel path gives the real rows the unpadded values."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    llm = LLM(gqa_checkpoint, device=device, dtype="float32", kernels=True, cuda_graphs=False)
+    cfg, model = llm.config, llm.model
+    cache = KVCache.from_budget(cfg, 64 * KVCache.bytes_per_row(cfg, torch.float32), torch.float32, device)
+    g = torch.Generator().manual_seed(0)
+    for layer in range(cfg.num_layers):
+        cache.k[layer].copy_(torch.randn(cache.k[layer].shape, generator=g))
+        cache.v[layer].copy_(torch.randn(cache.v[layer].shape, generator=g))
+    counts, kv_len = [5, 3], [12, 9]
+    n, max_q = sum(counts), max(counts)
+    table = BlockTable(cu_seqlens_q=cu_seqlens(counts, device), kv_start=torch.tensor([0, 20], device=device),
+                       kv_len=torch.tensor(kv_len, device=device), slot_mapping=torch.zeros(n, dtype=torch.long,
+                       device=device), max_q=max_q, max_kv=max(kv_len), write_cache=False,
+                       hidden_keys=(torch.rand(2, max(kv_len), generator=g) < 0.3).to(device),
+                       self_visibility=(torch.rand(2, max_q, max_q, generator=g) < 0.6).to(device))
+    ids = torch.randint(0, cfg.vocab_size, (n,), generator=g).to(device)
+    positions = torch.randint(0, 9, (n,), generator=g).to(device)
+    with torch.inference_mode():
+        plain = model.forward_cached(ids, positions, table, cache)
+        padded_ids, padded_positions, padded_table = pad_verify_pass(ids, positions, table)
+        assert padded_ids.shape[0] == bucket(n) and padded_table.max_q == bucket(max_q)
+        padded = model.forward_cached(padded_ids, padded_positions, padded_table, cache)[:n]
+    torch.testing.assert_close(padded, plain, rtol=1e-5, atol=1e-5)

@@ -13,6 +13,7 @@ CASES = {
     "ragged-gqa": ([5, 0, 17, 40], [30, 12, 77, 150], 4, 2, 32),  # a request with no rows; 3 key tiles
     "head-dim-24": ([3, 9], [9, 20], 2, 2, 24),                  # head_dim not a power of two
     "two-query-tiles": ([70, 1], [80, 5], 2, 1, 16),
+    "eight-requests": ([66, 3, 0, 70, 5, 1, 2, 9], [10, 4, 0, 80, 3, 2, 1, 20], 2, 1, 16),  # verify's 128-row tiles
 }
 DTYPES = [torch.float32, torch.bfloat16]
 

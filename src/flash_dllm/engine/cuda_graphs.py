@@ -5,9 +5,10 @@ Python launches the next, so a step costs its launch time, not its GPU time. A p
 (Flash-Cache's fixed query budget, a dual-cache block step, Flash-Verify's draft pass) is captured once and
 then replayed: its inputs are copied into the graph's static tensors, the graph replays every kernel in one
 launch, and the output is copied out. A capture costs about two passes, so a shape is captured only once
-it has been seen CAPTURE_AFTER times: one-off shapes (a request's first full pass, a verify pass whose row
-count varies) stay eager. Only the kernel path can be captured: the PyTorch references index with boolean
-masks, which synchronise with the host.
+it has been seen CAPTURE_AFTER times: one-off shapes (a request's first full pass) stay eager. A pass that
+does not write the cache (Flash-Verify's verify pass, whose row count changes every iteration) is replayed
+padded to a bucket of rows, so that its shapes repeat. Only the kernel path can be captured: the PyTorch
+references index with boolean masks, which synchronise with the host.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import dataclasses
 from collections import OrderedDict
 
 import torch
+import torch.nn.functional as F
 
 from ..cache.block_table import BlockTable
 from ..cache.kv_cache import KVCache
@@ -24,6 +26,26 @@ CAPTURE_AFTER = 3  # eager sightings of a shape before it is captured
 # only keep its activations in the graph pool (H200, batch 16, every repeating shape captured: peak memory
 # 0.1-0.7 GB over weights + cache + 2 GB; it was within it without graphs).
 MAX_GRAPH_ROWS = 2048
+
+
+def bucket(rows: int) -> int:
+    """Round a row count up to a multiple of 16 and of 1/8 of its power of two: at most 1/8 more rows."""
+    granule = max(16, (1 << (rows - 1).bit_length()) // 8)
+    return -(-rows // granule) * granule
+
+
+def pad_verify_pass(input_ids, positions, table: BlockTable):
+    """A pass that does not write the cache, with rows appended after the last request's (cu_seqlens_q[-1]:
+    they belong to no request, so no row attends to them and the attention kernel skips them; their outputs
+    are dropped) and max_q, self_visibility padded to a bucket too."""
+    extra, extra_q = bucket(input_ids.shape[0]) - input_ids.shape[0], bucket(table.max_q) - table.max_q
+    pad_rows = lambda t: F.pad(t, (0, extra))
+    visibility = table.self_visibility
+    if visibility is not None:
+        visibility = F.pad(visibility, (0, extra_q, 0, extra_q))
+    return pad_rows(input_ids), pad_rows(positions), dataclasses.replace(
+        table, slot_mapping=pad_rows(table.slot_mapping), max_q=table.max_q + extra_q, self_visibility=visibility,
+        track_rows=None if table.track_rows is None else pad_rows(table.track_rows))
 
 
 def _table_tensors(table: BlockTable) -> dict[str, torch.Tensor]:
@@ -95,9 +117,11 @@ class GraphedModel:
                        key_mass: torch.Tensor | None = None) -> torch.Tensor:
         if cache is not self.cache:
             raise ValueError("this GraphedModel's graphs write another KV cache")
-        if input_ids.shape[0] > MAX_GRAPH_ROWS:
+        rows = input_ids.shape[0]
+        graph_inputs = (input_ids, positions, table) if table.write_cache else pad_verify_pass(input_ids, positions, table)
+        if graph_inputs[0].shape[0] > MAX_GRAPH_ROWS:
             return self.model.forward_cached(input_ids, positions, table, cache, key_mass)
-        key = signature(input_ids, table, key_mass)
+        key = signature(graph_inputs[0], graph_inputs[2], key_mass)
         captured = self.passes.get(key)
         if captured is None:
             if self.sightings.get(key, 0) < CAPTURE_AFTER:
@@ -106,13 +130,13 @@ class GraphedModel:
                 self.sightings[key] = self.sightings.get(key, 0) + 1
                 return self.model.forward_cached(input_ids, positions, table, cache, key_mass)
             del self.sightings[key]
-            captured = self.passes[key] = self._capture(input_ids, positions, table, key_mass)
+            captured = self.passes[key] = self._capture(*graph_inputs, key_mass)
             self.captures += 1
             if len(self.passes) > self.max_graphs:
                 self.passes.popitem(last=False)
         self.passes.move_to_end(key)
         self.replays += 1
-        return captured.replay(input_ids, positions, table, key_mass)
+        return captured.replay(*graph_inputs, key_mass)[:rows]
 
     def _capture(self, input_ids, positions, table: BlockTable, key_mass) -> _CapturedPass:
         self.stream = self.stream or torch.cuda.Stream(input_ids.device)

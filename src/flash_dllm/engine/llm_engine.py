@@ -2,7 +2,8 @@
 
 Requests may be added at any time; each `step()` first admits waiting requests into free rows, runs one
 denoising step for every row and retires the rows that finished. The KV cache of the cached methods is
-allocated at the first request that needs it, sized by `kv_cache_bytes`.
+allocated at the first request that needs it, sized by `kv_cache_bytes`; on the GPU the Triton kernels are
+compiled then (warmup.py), before any request is timed.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from .batch import DecodeBatch
 from .cuda_graphs import GraphedModel
 from .scheduler import Scheduler
 from .sequence import Sequence, SequenceStatus
+from .warmup import compile_kernels
 
 
 # Methods that keep state per position (tracking, windows, drafts): its initial value for a new sequence.
@@ -85,6 +87,8 @@ class LLMEngine:
         self.cache = KVCache.from_budget(self.model.config, budget, self.dtype, self.device,
                                          with_hidden=params.caches_hidden_states)
         self.allocator = CacheAllocator(self.cache.num_rows)
+        if self.model.use_kernels and self.device.type == "cuda":
+            compile_kernels(self.model, self.cache)
         if self.cuda_graphs:
             self.runner = GraphedModel(self.model, self.cache)
 

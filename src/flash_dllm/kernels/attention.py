@@ -47,7 +47,8 @@ def ragged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask)
     else:
         scores = torch.einsum("bhqd,bhkd->bhqk", qp.float(), kp.float()) * q.shape[-1] ** -0.5
-        probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        # A row that sees no key (an empty KV range) has probability 0 everywhere, not NaN, as in the kernel.
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1).nan_to_num(0.0)
         out = torch.einsum("bhqk,bhkd->bhqd", probs, vp.float()).to(q.dtype)
         tracked = q_valid & table.track_rows[q_index]                                # [B, Q]
         key_mass += (probs * tracked[:, None, :, None]).sum(dim=(1, 2))

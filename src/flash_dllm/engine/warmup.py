@@ -1,0 +1,52 @@
+"""Compile every Triton kernel variant of the cached passes when the KV cache is allocated, not mid-run.
+
+Triton compiles a kernel at its first launch with each new set of compile-time constants, and the kernels
+choose their tile sizes by row count. A step whose row count enters a new size class (a batch that shrinks
+as its requests finish, a verify pass that grows) would otherwise compile in the middle of decoding, at
+0.1-1 s a variant: measured on the H200, the first sweep points of a method ran 5-20x slow. One pass per
+row-count class and pass kind compiles them all; Triton's disk cache then serves later processes.
+"""
+from __future__ import annotations
+
+import itertools
+import weakref
+
+import torch
+
+from ..cache.block_table import BlockTable, cu_seqlens
+from ..cache.kv_cache import KVCache
+
+# One row count per tile-size class of the kernels' launch configurations (by total and per-request rows),
+# each as one request and as several (the attention kernel's verify tiles depend on the batch too).
+ROW_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+REQUEST_COUNTS = (1, 8)
+
+_compiled: weakref.WeakSet = weakref.WeakSet()  # models whose variants are compiled in this process
+
+
+@torch.inference_mode()
+def compile_kernels(model, cache: KVCache, row_counts: tuple[int, ...] = ROW_COUNTS,
+                    request_counts: tuple[int, ...] = REQUEST_COUNTS):
+    """Run the three kinds of cached pass (cache write; with tracked rows; verify, which writes no cache)
+    for each number of requests and rows per request, on the first cache rows (shared by the requests).
+    Call before any sequence holds cache rows."""
+    if model in _compiled:
+        return
+    device = cache.k[0].device
+    for rows, requests in itertools.product(row_counts, request_counts):
+        if rows > cache.num_rows:
+            continue
+        n = rows * requests
+        ids = torch.zeros(n, dtype=torch.long, device=device)
+        positions = torch.arange(rows, device=device).repeat(requests)
+        zeros = lambda *shape, dtype=torch.float32: torch.zeros(*shape, dtype=dtype, device=device)
+        shape = dict(cu_seqlens_q=cu_seqlens([rows] * requests, device), kv_start=zeros(requests, dtype=torch.long),
+                     kv_len=torch.full((requests,), rows, device=device), slot_mapping=positions, max_q=rows,
+                     max_kv=rows)
+        model.forward_cached(ids, positions, BlockTable(**shape), cache)
+        tracked = BlockTable(**shape, track_rows=torch.ones(n, dtype=torch.bool, device=device))
+        model.forward_cached(ids, positions, tracked, cache, key_mass=zeros(requests, rows))
+        verify = BlockTable(**shape, write_cache=False, hidden_keys=zeros(requests, rows, dtype=torch.bool),
+                            self_visibility=torch.ones(requests, rows, rows, dtype=torch.bool, device=device))
+        model.forward_cached(ids, positions, verify, cache)
+    _compiled.add(model)
