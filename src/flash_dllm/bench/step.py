@@ -38,6 +38,7 @@ class StepResult:
     bytes_floor_ms: float
     flops_floor_ms: float
     peak_gb: float
+    working_gb: float       # peak less the weights and the KV cache (the budget: 2 GB at batch 16)
 
     @property
     def floor_ms(self) -> float:
@@ -92,11 +93,12 @@ def bench_step(llm, params: SamplingParams, batch: int, prompt_length: int, warm
     tokens, rows, passes = ((after - b) / (iters * batch)
                             for after, b in zip(_counters(engine, llm.special.mask_id), before))
     peak = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else float("nan")
+    weights = sum(p.numel() * p.element_size() for p in llm.model.parameters())
     num_bytes, flops = iteration_cost(cfg, batch, length, rows, passes, weight_bytes_read(llm.model),
                                       KVCache.bytes_per_row(cfg, llm.dtype))
     memory_s, compute_s, _ = floor_seconds(num_bytes, flops)
     return StepResult(params.method, batch, params.block_length, ms, tokens, rows, passes,
-                      memory_s * 1e3, compute_s * 1e3, peak)
+                      memory_s * 1e3, compute_s * 1e3, peak, peak - (weights + engine.cache.nbytes) / 1e9)
 
 
 def _counters(engine, mask_id: int) -> tuple[int, int, int]:
@@ -109,11 +111,11 @@ def _counters(engine, mask_id: int) -> tuple[int, int, int]:
 
 def format_table(results: list[StepResult]) -> str:
     header = ("method", "batch", "block", "ms/iter", "tokens/iter/req", "query rows/iter/req", "passes/iter",
-              "bytes floor ms", "FLOP floor ms", "x floor", "peak GB",
+              "bytes floor ms", "FLOP floor ms", "x floor", "peak GB", "peak - weights - cache GB",
               *(f"tok/s @{k}" for k in MODELLED_TOKENS_PER_ITER))
     rows = [(r.method, r.batch, "-" if r.method == "elastic" else r.block,  # elastic has no blocks
              f"{r.ms_per_iter:.2f}", f"{r.tokens_per_iter:.2f}", f"{r.query_rows:.0f}", f"{r.passes:.2f}",
              f"{r.bytes_floor_ms:.3g}", f"{r.flops_floor_ms:.3g}", f"{r.ratio:.2f}",
-             "-" if math.isnan(r.peak_gb) else f"{r.peak_gb:.1f}",  # nan: not on a GPU
+             *("-" if math.isnan(gb) else f"{gb:.2f}" for gb in (r.peak_gb, r.working_gb)),  # nan: not on a GPU
              *(f"{r.tokens_per_s(k):.0f}" for k in MODELLED_TOKENS_PER_ITER)) for r in results]
     return markdown_table(header, rows)

@@ -37,6 +37,11 @@ class KVCache:
             self._hidden = [torch.zeros(self._hidden_shape, dtype=k.dtype, device=k.device) for _ in self.k]
         return self._hidden
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated: K, V and the hidden states if allocated."""
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v, *(self._hidden or [])))
+
     @staticmethod
     def bytes_per_row(cfg: ModelConfig, dtype: torch.dtype, with_hidden: bool = False) -> int:
         values = 2 * cfg.num_kv_heads * cfg.head_dim + (cfg.hidden_size if with_hidden else 0)

@@ -201,7 +201,7 @@ def _refresh_pass(model, batch: DecodeBatch, cache: KVCache, first_layer: list[i
     lengths = [batch.seqs[b].length for b in order]
     refresh = _Pass.build(model, batch, order, batch.attention_mask, lengths, window)
     device = refresh.row.device
-    row_start = torch.tensor(first_layer, device=device)[refresh.row]                 # [N] each row's first layer
+    row_start = device_tensor(first_layer, device)[refresh.row]                      # [N] each row's first layer
     x = torch.zeros(refresh.row.shape[0], model.config.hidden_size, dtype=hidden[0].dtype, device=device)
     for layer in range(starts[0], num_layers):
         groups = bisect_right(starts, layer)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cache.block_table import BlockTable, cu_seqlens
+from ..cache.block_table import BlockTable, cu_seqlens, device_tensor
 from ..cache.kv_cache import KVCache
 from ..engine.batch import DecodeBatch
 
@@ -32,7 +32,7 @@ def cached_logits(model, batch: DecodeBatch, cache: KVCache) -> torch.Tensor:
     device = batch.tokens.device
     starts, counts, offsets = query_ranges(batch)
     batch.count_query_rows(counts)
-    as_tensor = lambda values: torch.tensor(values, device=device)
+    as_tensor = lambda values: device_tensor(values, device)  # torch.tensor(values, device=) would sync
     num_rows = sum(counts)
     offsets_q = cu_seqlens(counts, device)
     row = torch.repeat_interleave(torch.arange(len(counts), device=device), as_tensor(counts), output_size=num_rows)

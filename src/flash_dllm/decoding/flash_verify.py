@@ -93,18 +93,23 @@ def _verify(model, batch, cache, counts, columns, valid, ids, role, ranks, slot,
     num_slots = slot.shape[1]
     max_q = max(counts)
     columns, valid, ids, role, ranks, slot = (t[:, :max_q] for t in (columns, valid, ids, role, ranks, slot))
-    lengths = batch.lengths
+    lengths, max_kv = batch.lengths, max(seq.length for seq in batch.seqs)
     positions = columns - (width - lengths)[:, None]
-    rows = torch.arange(len(counts), device=device)[:, None].expand_as(positions)
-    recomputed = torch.zeros(len(counts), int(lengths.max()), dtype=torch.bool, device=device)
-    recomputed[rows[valid], positions[valid]] = True
+    # The valid entries lead each row (compacted): gather them by (row, rank) from the host counts, since
+    # boolean indexing would synchronise with the host once per tensor.
+    cu, num_rows = cu_seqlens(counts, device), sum(counts)
+    row_of = torch.repeat_interleave(torch.arange(len(counts), device=device), device_tensor(counts, device),
+                                     output_size=num_rows)
+    flat = lambda t: t[row_of, torch.arange(num_rows, device=device) - cu[row_of]]
+    flat_positions = flat(positions)
+    recomputed = torch.zeros(len(counts), max_kv, dtype=torch.bool, device=device)
+    recomputed[row_of, flat_positions] = True
     table = BlockTable(
-        cu_seqlens_q=cu_seqlens(counts, device),
-        kv_start=batch.cache_base, kv_len=lengths, slot_mapping=(batch.cache_base[:, None] + positions)[valid],
-        max_q=max_q, max_kv=int(lengths.max()), write_cache=False, hidden_keys=recomputed,
+        cu_seqlens_q=cu, kv_start=batch.cache_base, kv_len=lengths,
+        slot_mapping=batch.cache_base[row_of] + flat_positions, max_q=max_q, max_kv=max_kv, write_cache=False, hidden_keys=recomputed,
         self_visibility=verify_visibility(role, ranks, valid))
     batch.count_query_rows(counts)
-    hidden = model.forward_cached(ids[valid], positions[valid], table, cache)
+    hidden = model.forward_cached(flat(ids), flat_positions, table, cache)
 
     # The flat row of each pass entry, by where the entry started; S's mask views started at the last n.
     n = s_order.shape[1]

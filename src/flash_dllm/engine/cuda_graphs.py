@@ -118,7 +118,8 @@ class GraphedModel:
         if cache is not self.cache:
             raise ValueError("this GraphedModel's graphs write another KV cache")
         rows = input_ids.shape[0]
-        graph_inputs = (input_ids, positions, table) if table.write_cache else pad_verify_pass(input_ids, positions, table)
+        graph_inputs = ((input_ids, positions, table) if table.write_cache
+                        else pad_verify_pass(input_ids, positions, table))
         if graph_inputs[0].shape[0] > MAX_GRAPH_ROWS:
             return self.model.forward_cached(input_ids, positions, table, cache, key_mass)
         key = signature(graph_inputs[0], graph_inputs[2], key_mass)
