@@ -98,7 +98,7 @@ def bench_step(llm, params: SamplingParams, batch: int, prompt_length: int, warm
                                       KVCache.bytes_per_row(cfg, llm.dtype))
     memory_s, compute_s, _ = floor_seconds(num_bytes, flops)
     return StepResult(params.method, batch, params.block_length, ms, tokens, rows, passes,
-                      memory_s * 1e3, compute_s * 1e3, peak, peak - (weights + engine.cache.nbytes) / 1e9)
+                      memory_s * 1e3, compute_s * 1e3, peak, peak - (weights + (engine.cache.nbytes if engine.cache else 0)) / 1e9)
 
 
 def _counters(engine, mask_id: int) -> tuple[int, int, int]:

@@ -103,11 +103,11 @@ def _verify(model, batch, cache, counts, columns, valid, ids, role, ranks, slot,
     flat = lambda t: t[row_of, torch.arange(num_rows, device=device) - cu[row_of]]
     flat_positions = flat(positions)
     recomputed = torch.zeros(len(counts), max_kv, dtype=torch.bool, device=device)
-    recomputed[row_of, flat_positions] = True
+    recomputed[row_of, flat_positions] = torch.ones_like(row_of, dtype=torch.bool)  # `= True`: a host copy
     table = BlockTable(
         cu_seqlens_q=cu, kv_start=batch.cache_base, kv_len=lengths,
-        slot_mapping=batch.cache_base[row_of] + flat_positions, max_q=max_q, max_kv=max_kv, write_cache=False, hidden_keys=recomputed,
-        self_visibility=verify_visibility(role, ranks, valid))
+        slot_mapping=batch.cache_base[row_of] + flat_positions, max_q=max_q, max_kv=max_kv, write_cache=False,
+        hidden_keys=recomputed, self_visibility=verify_visibility(role, ranks, valid))
     batch.count_query_rows(counts)
     hidden = model.forward_cached(flat(ids), flat_positions, table, cache)
 
