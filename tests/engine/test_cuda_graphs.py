@@ -8,7 +8,8 @@ import torch
 from flash_dllm import LLM, SamplingParams
 from flash_dllm.cache import KVCache
 from flash_dllm.cache.block_table import BlockTable, cu_seqlens
-from flash_dllm.engine.cuda_graphs import CAPTURE_AFTER, MAX_GRAPH_ROWS, GraphedModel, bucket, pad_verify_pass, signature
+from flash_dllm.engine.cuda_graphs import (CAPTURE_AFTER, MAX_GRAPH_ROWS, GraphedModel, bucket, pad_verify_pass,
+                                          signature)
 
 METHODS = [dict(method="prefix-cache"), dict(method="dual-cache"),
            dict(method="flash-cache", tracking_budget=4, mask_window=8),

@@ -93,12 +93,13 @@ def bench_step(llm, params: SamplingParams, batch: int, prompt_length: int, warm
     tokens, rows, passes = ((after - b) / (iters * batch)
                             for after, b in zip(_counters(engine, llm.special.mask_id), before))
     peak = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else float("nan")
-    weights = sum(p.numel() * p.element_size() for p in llm.model.parameters())
+    resident = sum(p.numel() * p.element_size() for p in llm.model.parameters())
+    resident += engine.cache.nbytes if engine.cache is not None else 0  # reference has no cache
     num_bytes, flops = iteration_cost(cfg, batch, length, rows, passes, weight_bytes_read(llm.model),
                                       KVCache.bytes_per_row(cfg, llm.dtype))
     memory_s, compute_s, _ = floor_seconds(num_bytes, flops)
     return StepResult(params.method, batch, params.block_length, ms, tokens, rows, passes,
-                      memory_s * 1e3, compute_s * 1e3, peak, peak - (weights + (engine.cache.nbytes if engine.cache else 0)) / 1e9)
+                      memory_s * 1e3, compute_s * 1e3, peak, peak - resident / 1e9)
 
 
 def _counters(engine, mask_id: int) -> tuple[int, int, int]:

@@ -33,13 +33,13 @@ def compile_kernels(model, cache: KVCache, row_counts: tuple[int, ...] = ROW_COU
     if model in _compiled:
         return
     device = cache.k[0].device
+    zeros = lambda *shape, dtype=torch.float32: torch.zeros(*shape, dtype=dtype, device=device)
     for rows, requests in itertools.product(row_counts, request_counts):
         if rows > cache.num_rows:
             continue
         n = rows * requests
-        ids = torch.zeros(n, dtype=torch.long, device=device)
+        ids = zeros(n, dtype=torch.long)
         positions = torch.arange(rows, device=device).repeat(requests)
-        zeros = lambda *shape, dtype=torch.float32: torch.zeros(*shape, dtype=dtype, device=device)
         shape = dict(cu_seqlens_q=cu_seqlens([rows] * requests, device), kv_start=zeros(requests, dtype=torch.long),
                      kv_len=torch.full((requests,), rows, device=device), slot_mapping=positions, max_q=rows,
                      max_kv=rows)

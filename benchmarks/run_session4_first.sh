@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Ready for the next session's first H200 call (written in session 3, not yet run): the GPU tests of what
-# session 3 changed after its device time ran out (do_not_specialize, the skipped key-mass sweep, the
+# Session 4's first H200 call (written in session 3): the GPU tests of what session 3 changed after its
+# device time ran out (do_not_specialize, the skipped key-mass sweep, the
 # 2048-row graph cap, sync-free flash-cache bookkeeping, rotate_and_store, `bench kernels`), then the
 # measurements to refresh in RESULTS.md. Each part is time-capped; the sweeps are packed into one file.
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
