@@ -19,6 +19,15 @@ def cu_seqlens(counts: list[int], device) -> torch.Tensor:
     return device_tensor([0, *itertools.accumulate(counts)], device)
 
 
+def flat_rows(counts: list[int], cu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each flat row's request and rank within it, from the host counts and cu = cu_seqlens(counts): a
+    gather by these needs no host sync, where boolean indexing would wait for the GPU."""
+    device, num_rows = cu.device, sum(counts)
+    request = torch.repeat_interleave(torch.arange(len(counts), device=device), device_tensor(counts, device),
+                                      output_size=num_rows)
+    return request, torch.arange(num_rows, device=device) - cu[request]
+
+
 @dataclass
 class BlockTable:
     """Query rows are flat [N], grouped by request: group b is rows cu_seqlens_q[b]:cu_seqlens_q[b+1].

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..cache.block_table import BlockTable, cu_seqlens, device_tensor
+from ..cache.block_table import BlockTable, cu_seqlens, device_tensor, flat_rows
 from ..cache.kv_cache import KVCache
 from ..engine.batch import DecodeBatch
 from ..models.llada import Rotary, apply_rotary, rotary_cos_sin
@@ -123,10 +123,9 @@ class _Pass:
         device, width = batch.tokens.device, batch.tokens.shape[1]
         order_t = device_tensor(order, device)
         num_rows, cu = sum(counts), cu_seqlens(counts, device)
-        group = torch.repeat_interleave(torch.arange(len(order), device=device), device_tensor(counts, device),
-                                        output_size=num_rows)
+        group, rank = flat_rows(counts, cu)
         chosen = leading_columns(selected[order_t], max(counts))[0]
-        column = chosen[group, torch.arange(num_rows, device=device) - cu[group]]
+        column = chosen[group, rank]
         row = order_t[group]
         position = column - (width - batch.lengths)[row]
         slot = batch.cache_base[row] + position

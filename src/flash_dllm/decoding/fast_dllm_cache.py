@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cache.block_table import BlockTable, cu_seqlens, device_tensor
+from ..cache.block_table import BlockTable, cu_seqlens, device_tensor, flat_rows
 from ..cache.kv_cache import KVCache
 from ..engine.batch import DecodeBatch
 
@@ -33,10 +33,9 @@ def cached_logits(model, batch: DecodeBatch, cache: KVCache) -> torch.Tensor:
     starts, counts, offsets = query_ranges(batch)
     batch.count_query_rows(counts)
     as_tensor = lambda values: device_tensor(values, device)  # torch.tensor(values, device=) would sync
-    num_rows = sum(counts)
     offsets_q = cu_seqlens(counts, device)
-    row = torch.repeat_interleave(torch.arange(len(counts), device=device), as_tensor(counts), output_size=num_rows)
-    positions = as_tensor(starts)[row] + torch.arange(num_rows, device=device) - offsets_q[row]
+    row, rank = flat_rows(counts, offsets_q)
+    positions = as_tensor(starts)[row] + rank
     width = batch.tokens.shape[1]
     input_ids = batch.tokens[row, (width - batch.lengths)[row] + positions]
     table = BlockTable(cu_seqlens_q=offsets_q, kv_start=batch.cache_base, kv_len=batch.lengths,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cache.block_table import BlockTable, cu_seqlens, device_tensor
+from ..cache.block_table import BlockTable, cu_seqlens, flat_rows
 from ..cache.kv_cache import KVCache
 from ..engine.batch import DecodeBatch
 
@@ -55,14 +55,12 @@ def flash_cache_logits(model, batch: DecodeBatch, cache: KVCache, block_columns:
     counts = query_counts(batch)
     batch.count_query_rows(counts)
     width, lengths = batch.tokens.shape[1], batch.lengths
-    max_q, num_rows = max(counts), sum(counts)
-    counts_t, cu = device_tensor(counts, device), cu_seqlens(counts, device)
+    max_q, num_rows, cu = max(counts), sum(counts), cu_seqlens(counts, device)
     chosen = torch.topk(query_priority(batch, mask_id), max_q, dim=1).indices          # [B, Qmax]
-    valid = torch.arange(max_q, device=device) < counts_t[:, None]
+    valid = torch.arange(max_q, device=device) < (cu[1:] - cu[:-1])[:, None]
     chosen = torch.where(valid, chosen, width).sort(dim=1).values                      # ascending, invalid last
-    # Each flat row's sequence and rank from the host counts: boolean indexing would sync with the host.
-    rows = torch.repeat_interleave(torch.arange(len(counts), device=device), counts_t, output_size=num_rows)
-    columns = chosen[rows, torch.arange(num_rows, device=device) - cu[rows]]          # [N] flat, by sequence
+    rows, rank = flat_rows(counts, cu)
+    columns = chosen[rows, rank]                                                       # [N] flat, by sequence
     positions = columns - (width - lengths)[rows]
     input_ids = batch.tokens[rows, columns]
     table = BlockTable(cu_seqlens_q=cu, kv_start=batch.cache_base, kv_len=lengths,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cache.block_table import BlockTable, cu_seqlens, device_tensor
+from ..cache.block_table import BlockTable, cu_seqlens, device_tensor, flat_rows
 from ..cache.kv_cache import KVCache
 from ..engine.batch import DecodeBatch
 from .flash_cache import flash_cache_logits
@@ -97,10 +97,9 @@ def _verify(model, batch, cache, counts, columns, valid, ids, role, ranks, slot,
     positions = columns - (width - lengths)[:, None]
     # The valid entries lead each row (compacted): gather them by (row, rank) from the host counts, since
     # boolean indexing would synchronise with the host once per tensor.
-    cu, num_rows = cu_seqlens(counts, device), sum(counts)
-    row_of = torch.repeat_interleave(torch.arange(len(counts), device=device), device_tensor(counts, device),
-                                     output_size=num_rows)
-    flat = lambda t: t[row_of, torch.arange(num_rows, device=device) - cu[row_of]]
+    cu = cu_seqlens(counts, device)
+    row_of, rank = flat_rows(counts, cu)
+    flat = lambda t: t[row_of, rank]
     flat_positions = flat(positions)
     recomputed = torch.zeros(len(counts), max_kv, dtype=torch.bool, device=device)
     recomputed[row_of, flat_positions] = torch.ones_like(row_of, dtype=torch.bool)  # `= True`: a host copy
