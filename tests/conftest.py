@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,9 @@ if not torch.cuda.is_available():  # Triton kernels run under the interpreter; r
 from flash_dllm import LLM  # noqa: E402
 from flash_dllm.config import PRESETS
 from flash_dllm.models import random_model, save_checkpoint
-from flash_dllm.tokenizer import train_llada_tokenizer
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "training"))
+from llada_tokenizer import train_llada_tokenizer  # noqa: E402
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -29,7 +32,7 @@ def eos_biased_llm(path: Path, **kwargs) -> LLM:
     """An fp32 CPU LLM on a random checkpoint whose eos logit is scaled up, so that some requests stop
     early and the early-stop path is exercised."""
     llm = LLM(str(path), device="cpu", dtype="float32", **kwargs)
-    llm.model.transformer["ff_out"].weight[llm.special.stop_ids[0]] *= 2.5
+    llm.model.lm_head.weight[llm.special.stop_ids[0]] *= 2.5
     return llm
 
 

@@ -83,7 +83,7 @@ def test_eval_errors(capsys):
 def test_bench_step_on_cpu(capsys):
     assert main(["bench", "step", "--model", "random:llada-tiny", "--device", "cpu", "--batch-sizes", "1", "2",
                  "--methods", "reference", "dual-cache", "flash-verify", "--prompt-length", "16", "--max-tokens", "16",
-                 "--block-length", "8", "--flash-block-length", "8", "--warmup", "1", "--iters", "2"]) == 0
+                 "--block-length", "8", "--warmup", "1", "--iters", "2"]) == 0
     captured = capsys.readouterr()
     lines = [line.strip("| ").split(" | ") for line in captured.out.splitlines() if line.startswith("| ")]
     header, rows = lines[0], [dict(zip(lines[0], line)) for line in lines[1:]]

@@ -77,7 +77,7 @@ def test_bad_sampling_params(kwargs, match):
 
 
 def test_unknown_parameter():
-    with pytest.raises(TypeError, match="unexpected keyword argument 'top_p'"):
+    with pytest.raises(ValueError, match="unknown setting 'top_p'"):
         SamplingParams(top_p=0.9)
 
 

@@ -12,8 +12,9 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from llada_tokenizer import train_llada_tokenizer
+
 from flash_dllm.tasks import TASKS, generate
-from flash_dllm.tokenizer import train_llada_tokenizer
 
 VOCAB_SIZE = 1024
 CONTEXT = 2048

@@ -7,7 +7,8 @@ import sys
 import time
 from pathlib import Path
 
-from .sampling_params import ACCEPTANCE, METHODS, REMASKING, SamplingParams
+from .decoding.registry import DEFAULT_METHOD, METHODS, method_of
+from .sampling_params import SamplingParams, knobs
 
 
 def add_model_args(parser: argparse.ArgumentParser):
@@ -31,41 +32,24 @@ def llm_from_args(args, default_device: str | None = None, **options):
 
 
 def add_sampling_args(parser: argparse.ArgumentParser):
+    """--method, the common fields and one flag per knob of the registered methods (SamplingParams' names)."""
     g = parser.add_argument_group("decoding")
-    g.add_argument("--method", default="parallel", choices=METHODS)
+    g.add_argument("--method", default=DEFAULT_METHOD, choices=list(METHODS))
     g.add_argument("--max-tokens", type=int, default=128, help="generation length")
     g.add_argument("--block-length", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--steps", type=int, help="reference: total denoising steps (default: max-tokens)")
-    g.add_argument("--remasking", choices=REMASKING, help="reference: which positions to unmask")
-    g.add_argument("--cfg-scale", type=float, help="reference: classifier-free guidance scale")
-    g.add_argument("--threshold", type=float, help="parallel: confidence threshold (default 0.9)")
-    g.add_argument("--factor", type=float, help="parallel: use the factor rule with this factor")
-    g.add_argument("--refresh-interval", type=int,
-                   help="prefix-cache, dual-cache: also recompute everything every N steps of a block")
-    g.add_argument("--tracking-budget", type=int,
-                   help="flash-cache, flash-verify: decoded positions recomputed per step (beta_t, default 80)")
-    g.add_argument("--mask-window", type=int,
-                   help="flash-cache, flash-verify, elastic: masked positions recomputed per step "
-                        "(beta_m, default 64; elastic's window beta, default 16)")
-    g.add_argument("--drift-threshold", type=float,
-                   help="elastic: refresh from the first layer whose attention drift cosine is below this (0.9)")
-    g.add_argument("--track-num", type=int, help="elastic: most-attended decoded positions tracked per layer (1)")
-    g.add_argument("--verify-threshold", type=float, help="flash-verify: acceptance threshold gamma (default 0.8)")
-    g.add_argument("--acceptance", choices=ACCEPTANCE, help="flash-verify: sequential (default) or cumprod")
-    g.add_argument("--draft-length", type=int, help="lossless: hypothesised steps verified per pass (default 4)")
+    for name, knob in knobs().items():
+        readers = ", ".join(f"{method} {default}" if default is not None else method
+                            for method, default in knob.defaults.items())
+        g.add_argument("--" + name.replace("_", "-"), type=knob.type, choices=knob.choices,
+                       help=f"{knob.help} ({readers})")
 
 
 def sampling_params_from_args(args) -> SamplingParams:
+    given = {name: getattr(args, name) for name in knobs() if getattr(args, name) is not None}
     return SamplingParams(method=args.method, max_tokens=args.max_tokens, block_length=args.block_length,
-                          temperature=args.temperature, seed=args.seed, steps=args.steps,
-                          remasking=args.remasking, cfg_scale=args.cfg_scale, threshold=args.threshold,
-                          factor=args.factor, refresh_interval=args.refresh_interval,
-                          tracking_budget=args.tracking_budget, mask_window=args.mask_window,
-                          verify_threshold=args.verify_threshold, acceptance=args.acceptance,
-                          draft_length=args.draft_length, drift_threshold=args.drift_threshold,
-                          track_num=args.track_num)
+                          temperature=args.temperature, seed=args.seed, **given)
 
 
 def read_prompts(args) -> list:
@@ -145,7 +129,7 @@ def cmd_bench(args):
     device_name = torch.cuda.get_device_name(llm.device) if llm.device.type == "cuda" else "cpu"
     print(f"# bench {args.bench}: {args.model} on {device_name}, {llm.dtype}")
     if args.bench == "kernels":
-        if llm.device.type != "cuda" and not llm.model.use_kernels:
+        if llm.device.type != "cuda" and not llm.runner.kernels:
             raise ValueError("bench kernels runs the Triton kernels: it needs a CUDA device (or TRITON_INTERPRET=1)")
         results = [r for batch in args.batch_sizes
                    for r in bench_kernels(llm.model, batch, args.rows, args.kv_length, args.warmup, args.iters)]
@@ -158,13 +142,12 @@ def cmd_bench(args):
         print(format_table(results))
         return
     print(f"# prompt {args.prompt_length}, generation {args.max_tokens}, {args.warmup} warm-up + {args.iters} "
-          f"timed iterations; kernels {'on' if llm.model.use_kernels else 'off'}, "
-          f"CUDA graphs {'on' if llm.cuda_graphs else 'off'}")
+          f"timed iterations; kernels {'on' if llm.runner.kernels else 'off'}, "
+          f"CUDA graphs {'on' if llm.runner.cuda_graphs else 'off'}")
     results = []
     for method in args.methods:
-        flash = method in ("flash-cache", "flash-verify")
         params = SamplingParams(method=method, max_tokens=args.max_tokens,
-                                block_length=args.flash_block_length if flash else args.block_length)
+                                block_length=args.block_length or method_of(method).published_block_length)
         for batch in args.batch_sizes:
             results.append(bench_step(llm, params, batch, args.prompt_length, args.warmup, args.iters))
             r = results[-1]  # progress, in case a long run is cut short
@@ -176,25 +159,14 @@ def cmd_bench(args):
     print(format_step_table(results))
 
 
-# The methods `bench step` compares by default (issue 5).
-BENCH_METHODS = ("reference", "prefix-cache", "dual-cache", "elastic", "flash-cache", "flash-verify")
-
-# The decoding methods `demo` compares, each with its default settings.
-DEMO_METHODS = {
-    "reference": dict(method="reference"),
-    "parallel": dict(method="parallel", threshold=0.9),
-    "parallel-factor": dict(method="parallel", factor=1.0),
-    "prefix-cache": dict(method="prefix-cache", threshold=0.9),
-    "dual-cache": dict(method="dual-cache", threshold=0.9),
-    "flash-cache": dict(method="flash-cache", threshold=0.9),
-    "flash-verify": dict(method="flash-verify", threshold=0.9),
-    "elastic": dict(method="elastic", threshold=0.9),
-    "lossless": dict(method="lossless"),
-}
+def demo_variants() -> dict[str, dict]:
+    """The rows `demo` compares: each method with its defaults, and the variants it names."""
+    return {label: dict(method=method.name, **settings) for method in METHODS.values()
+            for label, settings in (method.demo_variants or {method.name: {}}).items()}
 
 
 def cmd_demo(args):
-    from .bench.forward import markdown_table
+    from .markdown import markdown_table
     from .eval.embedded import run_task
     from .tasks import load_test_set
 
@@ -205,9 +177,9 @@ def cmd_demo(args):
         if task == "passkey":
             test_set = [item for item in test_set if item.length == args.passkey_length]
         items[task] = test_set[:args.items]
-    rows = []
+    rows, variants = [], demo_variants()
     for label in args.methods:
-        params = SamplingParams(max_tokens=args.max_tokens, block_length=args.block_length, **DEMO_METHODS[label])
+        params = SamplingParams(max_tokens=args.max_tokens, block_length=args.block_length, **variants[label])
         llm.generate(items[args.tasks[0]][0].prompt, params)  # warm-up: first-call allocations
         for task in args.tasks:
             r = run_task(llm, task, label, items[task], params)
@@ -262,11 +234,11 @@ def cmd_eval(args):
 def cmd_sweep(args):
     from .eval.benchmarks import get_benchmark
     from .eval.distributed import init_from_env, shutdown
-    from .eval.sweep import KNOBS, grid, run_sweep
+    from .eval.sweep import grid, run_sweep
 
-    knobs = {name: getattr(args, name) or [] for name in KNOBS}
+    values = {name: getattr(args, name) or [] for name in knobs()}
     max_tokens = args.max_tokens or get_benchmark(args.task).max_tokens
-    points = grid(args.methods, knobs, max_tokens=max_tokens, block_length=args.block_length,
+    points = grid(args.methods, values, max_tokens=max_tokens, block_length=args.block_length,
                   temperature=args.temperature, seed=args.seed)
     ctx = init_from_env()
     try:
@@ -282,8 +254,6 @@ def cmd_sweep(args):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .eval.sweep import KNOBS as SWEEP_KNOBS
-
     parser = argparse.ArgumentParser(prog="flash-dllm", description="Fast inference for diffusion language models")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -302,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(demo)
     demo.add_argument("--items", type=int, default=2, help="held-out items per task")
     demo.add_argument("--tasks", nargs="+", default=["arith", "trace", "passkey"], choices=["arith", "trace", "passkey"])
-    demo.add_argument("--methods", nargs="+", default=list(DEMO_METHODS), choices=list(DEMO_METHODS))
+    demo.add_argument("--methods", nargs="+", default=list(demo_variants()), choices=list(demo_variants()))
     demo.add_argument("--passkey-length", type=int, default=256, choices=[256, 512, 1024, 1536, 1900])
     demo.add_argument("--max-tokens", type=int, default=128)
     demo.add_argument("--block-length", type=int, default=32)
@@ -320,14 +290,14 @@ def build_parser() -> argparse.ArgumentParser:
     sweep = sub.add_parser("sweep", help="a grid of methods and knobs on one task: Pareto plot and table")
     add_model_args(sweep)
     add_eval_args(sweep)
-    sweep.add_argument("--methods", nargs="+", default=["parallel", "dual-cache", "flash-verify"], choices=METHODS)
+    sweep.add_argument("--methods", nargs="+", required=True, choices=list(METHODS))
     sweep.add_argument("--max-tokens", type=int, help="generation length (default: the task's)")
     sweep.add_argument("--block-length", type=int, default=32)
     sweep.add_argument("--temperature", type=float, default=0.0)
     sweep.add_argument("--seed", type=int, default=0)
-    knobs = sweep.add_argument_group("knob values (each varies only for the methods that read it)")
-    for name, kind in SWEEP_KNOBS.items():
-        knobs.add_argument("--" + name.replace("_", "-"), type=kind, nargs="+", metavar=name.upper())
+    values = sweep.add_argument_group("knob values (each varies only for the methods that read it)")
+    for name, knob in knobs().items():
+        values.add_argument("--" + name.replace("_", "-"), type=knob.type, nargs="+", metavar=name.upper())
     sweep.add_argument("--out-dir", default="sweep", help="sweep.png, sweep.md, sweep.json and points/*.jsonl")
     sweep.set_defaults(func=cmd_sweep)
 
@@ -356,13 +326,13 @@ def build_parser() -> argparse.ArgumentParser:
     step = bench_sub.add_parser("step", help="one decoding iteration per method and batch size (forced schedule)")
     add_model_args(step)
     step.set_defaults(model="random:llada-8b")
-    step.add_argument("--methods", nargs="+", choices=METHODS, default=list(BENCH_METHODS))
+    step.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
     step.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 16, 32])
     step.add_argument("--prompt-length", type=int, default=256)
     step.add_argument("--max-tokens", type=int, default=512, help="generation length")
-    step.add_argument("--block-length", type=int, default=32)
-    step.add_argument("--flash-block-length", type=int, default=16,
-                      help="block length of flash-cache and flash-verify")
+    step.add_argument("--block-length", type=int,
+                      help="every method's block length (default: each method's published setting: "
+                           + ", ".join(f"{m.name} {m.published_block_length}" for m in METHODS.values()) + ")")
     step.add_argument("--warmup", type=int, default=4, help="untimed iterations first")
     step.add_argument("--iters", type=int, default=64,
                       help="timed iterations; a multiple of the block lengths times each cache refresh at its rate")

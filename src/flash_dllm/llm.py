@@ -1,8 +1,6 @@
 """The user-facing API: `LLM(model).generate(prompts, SamplingParams(...))`."""
 from __future__ import annotations
 
-import os
-
 import time
 from dataclasses import dataclass
 from importlib import resources
@@ -12,6 +10,7 @@ from typing import Sequence as SequenceType, Union
 import torch
 
 from .engine.llm_engine import LLMEngine
+from .engine.model_runner import ModelRunner
 from .models import load_model, random_model
 from .sampling_params import SamplingParams
 from .tokenizer import load_tokenizer, special_tokens
@@ -88,20 +87,14 @@ class LLM:
             self.path = Path(spec)
             self.model = load_model(self.path, self.device, self.dtype)
         self.config = self.model.config
-        if kernels and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError("kernels=True needs a CUDA device (or TRITON_INTERPRET=1 to run them interpreted)")
-        self.model.use_kernels = self.device.type == "cuda" if kernels is None else kernels
-        on_gpu_kernels = self.model.use_kernels and self.device.type == "cuda"
-        if cuda_graphs and not on_gpu_kernels:
-            raise ValueError("cuda_graphs=True needs the Triton kernels on a CUDA device")
-        self.cuda_graphs = on_gpu_kernels if cuda_graphs is None else cuda_graphs
+        self.runner = ModelRunner(self.model, kernels=kernels, cuda_graphs=cuda_graphs, kv_cache_bytes=kv_cache_bytes)
         self.tokenizer = load_tokenizer(self.path)
         self.special = special_tokens(self.config, self.path, self.tokenizer)
         has_template = self.tokenizer is not None and bool(getattr(self.tokenizer, "chat_template", None))
         self.use_chat_template = has_template if chat_template is None else chat_template
         if self.use_chat_template and not has_template:
             raise ValueError("chat_template=True, but the model's tokenizer has no chat template")
-        self.engine = LLMEngine(self.model, self.special, max_batch_size, kv_cache_bytes, self.cuda_graphs)
+        self.engine = LLMEngine(self.runner, self.special, max_batch_size)
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt: ids as given, messages or (with the chat template on) a string through the

@@ -7,7 +7,7 @@ import torch
 
 from flash_dllm import load_model
 from flash_dllm.cache import CacheAllocator, KVCache
-from flash_dllm.cache.block_table import BlockTable
+from flash_dllm.cache.attention_metadata import AttentionMetadata
 
 
 def rel_err(a, b):
@@ -19,7 +19,7 @@ def table_for(lengths, starts, bases, counts, track=None):
     counts_t = torch.tensor(counts)
     cu = torch.cat([torch.zeros(1, dtype=torch.long), counts_t.cumsum(0)])
     slots = torch.cat([torch.arange(b + s, b + s + n) for b, s, n in zip(bases, starts, counts)])
-    return BlockTable(cu_seqlens_q=cu, kv_start=torch.tensor(bases), kv_len=torch.tensor(lengths),
+    return AttentionMetadata(cu_seqlens_q=cu, kv_start=torch.tensor(bases), kv_len=torch.tensor(lengths),
                       slot_mapping=slots, max_q=max(counts), max_kv=max(lengths), track_rows=track)
 
 

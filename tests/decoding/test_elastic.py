@@ -14,8 +14,10 @@ from flash_dllm import LLM, SamplingParams, load_model
 from flash_dllm.cache import KVCache
 from flash_dllm.decoding import elastic
 from flash_dllm.decoding.elastic import drift_similarity, select_tracked, window_mask
+from flash_dllm.decoding.registry import method_of
+from flash_dllm.engine.model_runner import ModelRunner
 from flash_dllm.decoding.sampling import NOISE_STREAM, counter_uniform
-from flash_dllm.models.llada import apply_rotary, rotary_cos_sin
+from flash_dllm.models.layers import apply_rotary, rotary_cos_sin
 
 PROMPTS = ["What is 3 + 4?", "Tom has 3 apples and buys 4 more. How many?", "x", "The passkey is 48213."]
 CACHE_BYTES = 1 << 22  # zeroing the default 1 GiB would dominate these small runs
@@ -45,7 +47,7 @@ def window_rule_without_cache(model, prompt: list[int], params: SamplingParams, 
 
     step = 0
     while ((x[P:] == mask_id) & (offsets < end_of_output())).any():
-        window = offsets[(x[P:] == mask_id) & (offsets < end_of_output())][:params.window]
+        window = offsets[(x[P:] == mask_id) & (offsets < end_of_output())][:params.settings.mask_window]
         logits = model(x[None])[0, P + window].double()
         scores = logits.clone()
         if params.temperature > 0:
@@ -55,7 +57,7 @@ def window_rule_without_cache(model, prompt: list[int], params: SamplingParams, 
         scores[:, mask_id] = float("-inf")
         chosen = scores.argmax(dim=-1)
         confidence = torch.softmax(logits, dim=-1).gather(1, chosen[:, None])[:, 0]
-        take = confidence >= params.confidence_threshold
+        take = confidence >= params.settings.threshold
         take[confidence.argmax()] = True
         x[P + window[take]] = chosen[take]
         step += 1
@@ -79,9 +81,9 @@ def record_refreshes(monkeypatch) -> list[list[int]]:
     """The first refreshed layer of every row, per step (L: none)."""
     steps, refresh = [], elastic._refresh_pass
 
-    def recording(model, batch, cache, first_layer, *args):
+    def recording(runner, batch, first_layer, *args):
         steps.append(list(first_layer))
-        return refresh(model, batch, cache, first_layer, *args)
+        return refresh(runner, batch, first_layer, *args)
 
     monkeypatch.setattr(elastic, "_refresh_pass", recording)
     return steps
@@ -118,7 +120,7 @@ def test_refresh_is_a_forward_from_the_cached_inputs(deep_checkpoint):
     row, the plain forward of those layers from the cached input hidden states of the first one."""
     model = load_model(deep_checkpoint)
     close = partial(torch.testing.assert_close, rtol=1e-4, atol=1e-4)  # fp32, different attention paths
-    cfg, blocks = model.config, model.transformer["blocks"]
+    cfg, layers = model.config, model.layers
     lengths, bases, first_layer = [9, 6, 7], [20, 0, 40], [2, 4, 1]
     cache = KVCache(cfg, 60, torch.float32, "cpu")
     generator = torch.Generator().manual_seed(0)
@@ -129,12 +131,13 @@ def test_refresh_is_a_forward_from_the_cached_inputs(deep_checkpoint):
     width = max(lengths)
     columns = torch.arange(width)
     batch = SimpleNamespace(tokens=torch.zeros(3, width, dtype=torch.long), lengths=torch.tensor(lengths),
-                            cache_base=torch.tensor(bases), seqs=[SimpleNamespace(length=n) for n in lengths],
+                            cache_base=torch.tensor(bases), rows=[SimpleNamespace(length=n) for n in lengths],
                             attention_mask=columns >= width - torch.tensor(lengths)[:, None],
                             count_query_rows=lambda counts: None)
     key_mass = torch.zeros(cfg.num_layers, 3, width)
-    refresh, out = elastic._refresh_pass(model, batch, cache, first_layer, torch.zeros(3, width, dtype=torch.bool),
-                                         key_mass)
+    runner = ModelRunner(model, kernels=False)
+    runner.cache = cache
+    refresh, out = elastic._refresh_pass(runner, batch, first_layer, torch.zeros(3, width, dtype=torch.bool), key_mass)
     for row, (n, base, first) in enumerate(zip(lengths, bases, first_layer)):
         rows = slice(base, base + n)
         if first == cfg.num_layers:
@@ -144,15 +147,16 @@ def test_refresh_is_a_forward_from_the_cached_inputs(deep_checkpoint):
         x = before[first][rows][None]
         cos, sin = rotary_cos_sin(torch.arange(n)[None], cfg.head_dim, cfg.rope_theta)
         for layer in range(first, cfg.num_layers):
-            block = blocks[layer]
-            k = block.qkv_proj(block.attn_norm(x)).split(block.qkv_proj.output_sizes, dim=-1)[1]
+            block = layers[layer]
+            qkv_proj = block.attention.qkv_proj
+            k = qkv_proj(block.attn_norm(x)).split(qkv_proj.output_sizes, dim=-1)[1]
             k = apply_rotary(k.view(1, n, cfg.num_kv_heads, cfg.head_dim), cos, sin)[0]
             close(cache.hidden_states()[layer][rows], x[0])
             close(cache.k[layer][rows], k)
             x = block(x, cos, sin, None)
         for layer in range(first):
             assert torch.equal(cache.k[layer][rows], k_before[layer][rows])
-        close(out[refresh.flat[row, width - n:]], x[0])
+        close(out[refresh.flat_of_column[row, width - n:]], x[0])
 
 
 def test_drift_is_the_cosine_over_keys():
@@ -205,4 +209,6 @@ def test_elastic_settings_belong_to_elastic():
     with pytest.raises(ValueError, match="track_num applies to method elastic, not 'flash-cache'"):
         SamplingParams(method="flash-cache", track_num=2)
     params = SamplingParams(method="elastic", max_tokens=20, block_length=32)  # no blocks: any length
-    assert (params.window, params.drift_gamma, params.track_per_layer, params.uses_cache) == (16, 0.9, 1, True)
+    settings = params.settings
+    assert (settings.mask_window, settings.drift_threshold, settings.track_num) == (16, 0.9, 1)
+    assert method_of("elastic").uses_cache

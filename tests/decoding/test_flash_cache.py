@@ -10,7 +10,7 @@ import torch
 from conftest import eos_biased_llm
 
 from flash_dllm import SamplingParams
-from flash_dllm.decoding.flash_cache import query_priority
+from flash_dllm.decoding.flash_cache import FlashCacheState, query_priority
 
 PROMPTS = ["What is 3 + 4?", "Tom has 3 apples and buys 4 more. How many?", "x", "The passkey is 48213."]
 
@@ -43,11 +43,12 @@ def test_fixed_size_query_sets_and_batching(llm):
 def test_priority_window_then_newly_decoded_then_attention():
     M = 9  # mask id
     tokens = torch.tensor([[0, 5, 6, 7, 8, 5, M, M, M, M]])  # prompt of 3, generated region of 7
-    state = {"key_mass": torch.tensor([[0.0, 0.1, 0.9, 0.2, 0.3, 0.0, 0, 0, 0, 0]]),
-             "decoded_at": torch.tensor([[-1, -1, -1, 0, 1, 1, -1, -1, -1, -1]])}
+    state = FlashCacheState(key_mass=torch.tensor([[0.0, 0.1, 0.9, 0.2, 0.3, 0.0, 0, 0, 0, 0]]),
+                            decoded_at=torch.tensor([[-1, -1, -1, 0, 1, 1, -1, -1, -1, -1]]))
     batch = SimpleNamespace(tokens=tokens, attention_mask=torch.tensor([[False] + [True] * 9]), gen_start=3,
-                            params=SimpleNamespace(window=3), position_state=state, steps=torch.tensor([2]))
-    order = query_priority(batch, M).argsort(dim=1, descending=True)[0].tolist()
+                            mask_id=M, params=SamplingParams(method="flash-cache", block_length=2, mask_window=3),
+                            state=state, counters=SimpleNamespace(steps=torch.tensor([2])))
+    order = query_priority(batch).argsort(dim=1, descending=True)[0].tolist()
     assert order[:3] == [6, 7, 8]           # the window: the three leftmost masks
     assert sorted(order[3:5]) == [4, 5]     # decoded in the last step (step 1)
     assert order[5:8] == [2, 3, 1]          # then by attention mass

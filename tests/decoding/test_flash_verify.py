@@ -6,7 +6,7 @@ import torch
 
 from flash_dllm import LLM, SamplingParams, load_model
 from flash_dllm.cache import KVCache
-from flash_dllm.cache.block_table import BlockTable
+from flash_dllm.cache.attention_metadata import AttentionMetadata
 from flash_dllm.decoding.flash_verify import CONTEXT, DRAFT, MASK, verify_visibility
 from flash_dllm.tasks import is_correct, load_test_set
 
@@ -38,7 +38,7 @@ def verify_pass(model, cache, ids, drafts, mask_id):
     valid = torch.ones_like(role, dtype=torch.bool)
     hidden_keys = torch.zeros(1, len(ids), dtype=torch.bool)
     hidden_keys[0, columns] = True
-    table = BlockTable(cu_seqlens_q=torch.tensor([0, 12]), kv_start=torch.tensor([0]), kv_len=torch.tensor([len(ids)]),
+    table = AttentionMetadata(cu_seqlens_q=torch.tensor([0, 12]), kv_start=torch.tensor([0]), kv_len=torch.tensor([len(ids)]),
                        slot_mapping=torch.tensor(columns), max_q=12, max_kv=len(ids), write_cache=False,
                        hidden_keys=hidden_keys, self_visibility=verify_visibility(role, rank, valid))
     before = [k.clone() for k in cache.k]
@@ -55,7 +55,7 @@ def test_changing_a_draft_changes_only_what_may_see_it(tmp_path):
     ids = torch.randint(4, model.config.vocab_size, (12,))
     ids[6:] = mask_id
     cache = KVCache(model.config, 12, torch.float32, "cpu")
-    table = BlockTable(cu_seqlens_q=torch.tensor([0, 12]), kv_start=torch.tensor([0]), kv_len=torch.tensor([12]),
+    table = AttentionMetadata(cu_seqlens_q=torch.tensor([0, 12]), kv_start=torch.tensor([0]), kv_len=torch.tensor([12]),
                        slot_mapping=torch.arange(12), max_q=12, max_kv=12)
     model.forward_cached(ids, torch.arange(12), table, cache)  # the draft pass's cache
     a = verify_pass(model, cache, ids, [20, 21, 22], mask_id)

@@ -6,6 +6,7 @@ import torch
 from conftest import eos_biased_llm
 
 from flash_dllm import SamplingParams
+from flash_dllm.decoding.reference import steps_per_block
 from flash_dllm.decoding.sampling import NOISE_STREAM, REMASK_STREAM, counter_uniform
 
 PROMPTS = ["What is 3 + 4?", "Tom has 3 apples.", "x = 5\nprint(x)", "The passkey is"]
@@ -23,7 +24,7 @@ def llada_generate(model, prompt: list[int], params: SamplingParams, mask_id: in
     x = torch.full((1, P + G), mask_id, dtype=torch.long)
     x[0, :P] = torch.tensor(prompt)
     prompt_index = x != mask_id
-    steps = params.steps_per_block
+    steps = steps_per_block(params)
     seed, step = torch.tensor([params.seed]), 0
     for block in range(params.num_blocks):
         start, end = P + block * bl, P + (block + 1) * bl
@@ -32,11 +33,11 @@ def llada_generate(model, prompt: list[int], params: SamplingParams, mask_id: in
         num_transfer[:, :int(num_masked % steps)] += 1
         for i in range(steps):
             mask_index = x == mask_id
-            if params.guidance > 0:
+            if params.settings.cfg_scale > 0:
                 un_x = x.clone()
                 un_x[prompt_index] = mask_id
                 logits, un_logits = model(torch.cat([x, un_x])).chunk(2)
-                logits = un_logits + (params.guidance + 1) * (logits - un_logits)
+                logits = un_logits + (params.settings.cfg_scale + 1) * (logits - un_logits)
             else:
                 logits = model(x)
             logits = logits.double()
@@ -48,7 +49,7 @@ def llada_generate(model, prompt: list[int], params: SamplingParams, mask_id: in
                 scores = logits.clone()
             scores[..., mask_id] = -float("inf")  # the engine never decodes a position to the mask token
             x0 = torch.argmax(scores, dim=-1)
-            if params.uses_random_remasking:
+            if params.settings.remasking == "random":
                 x0_p = counter_uniform(seed, torch.tensor([step]), torch.arange(-P, G)[None], REMASK_STREAM)
             else:
                 x0_p = torch.gather(torch.softmax(logits, dim=-1), -1, x0[..., None]).squeeze(-1)
@@ -79,12 +80,12 @@ def fast_dllm_generate(model, prompt: list[int], params: SamplingParams, mask_id
             p = torch.gather(torch.softmax(logits, dim=-1), -1, x0[..., None]).squeeze(-1)
             confidence = torch.where(mask_index, p, -float("inf"))[0]
             order = torch.argsort(confidence, descending=True)
-            if params.factor is None:
-                chosen = [order[0].item()] + [j.item() for j in order[1:] if confidence[j] >= params.confidence_threshold]
+            if params.settings.factor is None:
+                chosen = [order[0].item()] + [j.item() for j in order[1:] if confidence[j] >= params.settings.threshold]
             else:
                 count = 1
                 for n in range(1, int(mask_index.sum()) + 1):
-                    if (n + 1) * (1 - confidence[order[n - 1]]) >= params.factor:
+                    if (n + 1) * (1 - confidence[order[n - 1]]) >= params.settings.factor:
                         break
                     count = n
                 chosen = order[:count].tolist()
@@ -114,7 +115,7 @@ def test_reference_matches_llada_sampler(llm, case):
         expected = cut_at_stop(llada_generate(llm.model, ids, params, llm.special.mask_id), llm.special.stop_ids)
         out = llm.generate([ids], params)[0]
         assert out.token_ids == expected
-        assert out.nfe == out.steps * (2 if params.guidance > 0 else 1)
+        assert out.nfe == out.steps * (2 if params.settings.cfg_scale > 0 else 1)
 
 
 @pytest.mark.parametrize("rule", [dict(threshold=0.6), dict(threshold=0.95), dict(factor=1.0)])

@@ -7,9 +7,8 @@ import torch
 
 from flash_dllm import LLM, SamplingParams
 from flash_dllm.cache import KVCache
-from flash_dllm.cache.block_table import BlockTable, cu_seqlens
-from flash_dllm.engine.cuda_graphs import (CAPTURE_AFTER, MAX_GRAPH_ROWS, GraphedModel, bucket, pad_verify_pass,
-                                          signature)
+from flash_dllm.cache.attention_metadata import AttentionMetadata, cu_seqlens
+from flash_dllm.engine.cuda_graphs import CAPTURE_AFTER, MAX_GRAPH_ROWS, CudaGraphs, bucket, pad_verify_pass, signature
 
 METHODS = [dict(method="prefix-cache"), dict(method="dual-cache"),
            dict(method="flash-cache", tracking_budget=4, mask_window=8),
@@ -26,7 +25,7 @@ def test_graphs_give_the_eager_tokens(gqa_checkpoint, knobs):
         llm = LLM(gqa_checkpoint, device="cuda", dtype="float32", kernels=True, cuda_graphs=graphs)
         outputs[graphs] = [out.token_ids for out in llm.generate(PROMPTS, params)]
         if graphs:
-            assert llm.engine.runner.replays > 0
+            assert llm.runner.graphs.replays > 0
     assert outputs[True] == outputs[False]
 
 
@@ -41,7 +40,7 @@ def test_graphs_need_the_kernels_on_a_gpu(gqa_checkpoint):
 def test_signature_tells_apart_every_shape_a_pass_depends_on():
     def key(counts, max_kv, write_cache=True, track=False, mass=False):
         n = sum(counts)
-        table = BlockTable(cu_seqlens_q=cu_seqlens(counts, "cpu"), kv_start=torch.zeros(len(counts), dtype=torch.long),
+        table = AttentionMetadata(cu_seqlens_q=cu_seqlens(counts, "cpu"), kv_start=torch.zeros(len(counts), dtype=torch.long),
                            kv_len=torch.full((len(counts),), max_kv), slot_mapping=torch.arange(n),
                            max_q=max(counts), max_kv=max_kv, write_cache=write_cache,
                            track_rows=torch.ones(n, dtype=torch.bool) if track else None)
@@ -54,14 +53,13 @@ def test_signature_tells_apart_every_shape_a_pass_depends_on():
     assert len({base, *others}) == 1 + len(others)
 
 
-class CountingModel:
-    """Stands in for the model: counts eager passes (no GPU needed for the capture policy)."""
-    use_kernels = True
+class CountingForward:
+    """Stands in for the cached forward: counts eager passes (no GPU needed for the capture policy)."""
 
     def __init__(self):
         self.eager = 0
 
-    def forward_cached(self, input_ids, positions, table, cache, key_mass=None):
+    def __call__(self, input_ids, positions, metadata, key_mass=None):
         self.eager += 1
         return input_ids
 
@@ -78,7 +76,7 @@ class FakeCapture:
 def make_pass(rows: int, max_kv: int = 20, write_cache: bool = True):
     verify = {} if write_cache else dict(write_cache=False, hidden_keys=torch.zeros(1, max_kv, dtype=torch.bool),
                                          self_visibility=torch.ones(1, rows, rows, dtype=torch.bool))
-    table = BlockTable(cu_seqlens_q=cu_seqlens([rows], "cpu"), kv_start=torch.zeros(1, dtype=torch.long),
+    table = AttentionMetadata(cu_seqlens_q=cu_seqlens([rows], "cpu"), kv_start=torch.zeros(1, dtype=torch.long),
                        kv_len=torch.full((1,), max_kv), slot_mapping=torch.arange(rows), max_q=rows, max_kv=max_kv,
                        **verify)
     return torch.arange(rows) + 1, torch.arange(rows), table
@@ -86,43 +84,41 @@ def make_pass(rows: int, max_kv: int = 20, write_cache: bool = True):
 
 def test_capture_policy(monkeypatch):
     """Eager for the first CAPTURE_AFTER sightings of a shape, then captured once and replayed; the least
-    recently used graph goes first; passes over MAX_GRAPH_ROWS rows and other caches are never captured."""
-    monkeypatch.setattr(GraphedModel, "_capture", lambda self, *args: FakeCapture())
-    model, cache = CountingModel(), object()
-    graphed = GraphedModel(model, cache, max_graphs=2)
+    recently used graph goes first; passes over MAX_GRAPH_ROWS rows are never captured."""
+    monkeypatch.setattr(CudaGraphs, "_capture", lambda self, *args: FakeCapture())
+    model = CountingForward()
+    graphed = CudaGraphs(model, max_graphs=2)
     ids, positions, table = make_pass(8)
     for _ in range(CAPTURE_AFTER + 3):
-        graphed.forward_cached(ids, positions, table, cache)
+        graphed.run(ids, positions, table)
     assert (model.eager, graphed.captures, graphed.replays) == (CAPTURE_AFTER, 1, 3)
 
     for rows in (9, 10):  # two more shapes: the first one's graph is evicted
         for _ in range(CAPTURE_AFTER + 1):
-            graphed.forward_cached(*make_pass(rows), cache)
+            graphed.run(*make_pass(rows))
     assert graphed.captures == 3 and len(graphed.passes) == 2
     eager = model.eager
-    graphed.forward_cached(ids, positions, table, cache)
+    graphed.run(ids, positions, table)
     assert model.eager == eager + 1  # counted afresh
 
     big = make_pass(MAX_GRAPH_ROWS + 1)
     for _ in range(CAPTURE_AFTER + 2):
-        graphed.forward_cached(*big, cache)
+        graphed.run(*big)
     assert graphed.captures == 3
-    with pytest.raises(ValueError, match="another KV cache"):
-        graphed.forward_cached(ids, positions, table, object())
 
 
 def test_verify_passes_of_one_bucket_share_a_graph(monkeypatch):
     """Passes that do not write the cache are replayed padded to a bucket of rows: row counts that vary
     within one bucket share one graph, and the output keeps only the pass's own rows."""
-    monkeypatch.setattr(GraphedModel, "_capture", lambda self, *args: FakeCapture())
-    model, cache = CountingModel(), object()
-    graphed = GraphedModel(model, cache)
+    monkeypatch.setattr(CudaGraphs, "_capture", lambda self, *args: FakeCapture())
+    model = CountingForward()
+    graphed = CudaGraphs(model)
     assert bucket(97) == bucket(100) == 112 and bucket(16) == 16 and bucket(1000) == 1024
     for rows in (97, 100, 103, 110, 99, 112):
-        out = graphed.forward_cached(*make_pass(rows, write_cache=False), cache)
+        out = graphed.run(*make_pass(rows, write_cache=False))
         assert torch.equal(out, torch.arange(rows) + 1)
     assert (model.eager, graphed.captures, graphed.replays) == (CAPTURE_AFTER, 1, 3)
-    graphed.forward_cached(*make_pass(113, write_cache=False), cache)  # the next bucket
+    graphed.run(*make_pass(113, write_cache=False))  # the next bucket
     assert model.eager == CAPTURE_AFTER + 1
 
 
@@ -138,7 +134,7 @@ def test_a_padded_verify_pass_gives_the_same_rows(gqa_checkpoint):
         cache.v[layer].copy_(torch.randn(cache.v[layer].shape, generator=g))
     counts, kv_len = [5, 3], [12, 9]
     n, max_q = sum(counts), max(counts)
-    table = BlockTable(cu_seqlens_q=cu_seqlens(counts, device), kv_start=torch.tensor([0, 20], device=device),
+    table = AttentionMetadata(cu_seqlens_q=cu_seqlens(counts, device), kv_start=torch.tensor([0, 20], device=device),
                        kv_len=torch.tensor(kv_len, device=device), slot_mapping=torch.zeros(n, dtype=torch.long,
                        device=device), max_q=max_q, max_kv=max(kv_len), write_cache=False,
                        hidden_keys=(torch.rand(2, max(kv_len), generator=g) < 0.3).to(device),
@@ -146,8 +142,8 @@ def test_a_padded_verify_pass_gives_the_same_rows(gqa_checkpoint):
     ids = torch.randint(0, cfg.vocab_size, (n,), generator=g).to(device)
     positions = torch.randint(0, 9, (n,), generator=g).to(device)
     with torch.inference_mode():
-        plain = model.forward_cached(ids, positions, table, cache)
+        plain = model.forward_cached(ids, positions, table, cache, kernels=True)
         padded_ids, padded_positions, padded_table = pad_verify_pass(ids, positions, table)
         assert padded_ids.shape[0] == bucket(n) and padded_table.max_q == bucket(max_q)
-        padded = model.forward_cached(padded_ids, padded_positions, padded_table, cache)[:n]
+        padded = model.forward_cached(padded_ids, padded_positions, padded_table, cache, kernels=True)[:n]
     torch.testing.assert_close(padded, plain, rtol=1e-5, atol=1e-5)

@@ -11,6 +11,7 @@ import torch
 from flash_dllm import LLM, SamplingParams
 from flash_dllm.cache import KVCache
 from flash_dllm.engine.llm_engine import LLMEngine
+from flash_dllm.engine.model_runner import ModelRunner
 
 SYNCS_PER_STEP = {"prefix-cache": 1, "dual-cache": 1, "flash-cache": 1, "flash-verify": 2}
 
@@ -23,8 +24,8 @@ def test_host_syncs_per_step(gqa_checkpoint, method):
     params = SamplingParams(method=method, max_tokens=64, block_length=8, threshold=1.1,  # one token a step
                             **knobs)
     row_bytes = KVCache.bytes_per_row(llm.config, torch.float32)
-    engine = LLMEngine(llm.model, dataclasses.replace(llm.special, stop_ids=()), 2, 2 * 80 * row_bytes,
-                       cuda_graphs=True)
+    runner = ModelRunner(llm.model, kernels=True, cuda_graphs=True, kv_cache_bytes=2 * 80 * row_bytes)
+    engine = LLMEngine(runner, dataclasses.replace(llm.special, stop_ids=()), 2)
     for prompt in ([5, 9, 13, 7], [11, 4, 6, 8, 12, 3]):
         engine.add_request(prompt, params)
     for _ in range(6):  # the first full pass, and graph captures

@@ -15,9 +15,9 @@ def test_compile_kernels_runs_every_pass_kind_once_per_model(gqa_checkpoint):
     cache = KVCache.from_budget(cfg, 16 * KVCache.bytes_per_row(cfg, torch.float32), torch.float32, device)
     passes = []
     forward_cached = model.forward_cached
-    model.forward_cached = lambda ids, positions, table, cache, key_mass=None: passes.append(
-        (table.num_seqs, table.max_q, table.write_cache, key_mass is not None)) or forward_cached(
-        ids, positions, table, cache, key_mass)
+    model.forward_cached = lambda ids, positions, metadata, cache, key_mass=None, kernels=False: passes.append(
+        (metadata.num_seqs, metadata.max_q, metadata.write_cache, key_mass is not None)) or forward_cached(
+        ids, positions, metadata, cache, key_mass, kernels)
     compile_kernels(model, cache, row_counts=(1, 3, 32), request_counts=(1, 2))  # 32 rows do not fit: skipped
     kinds = [(True, False), (True, True), (False, False)]
     assert passes == [(requests, rows, *kind) for rows in (1, 3) for requests in (1, 2) for kind in kinds]

@@ -16,7 +16,7 @@ def test_grid_varies_each_knob_only_for_methods_that_read_it():
     assert labels[3:7] == ["flash-verify thr=0.8 gamma=0.6", "flash-verify thr=0.8 gamma=0.8",
                            "flash-verify thr=0.9 gamma=0.6", "flash-verify thr=0.9 gamma=0.8"]
     assert labels[7:] == ["reference steps=16"]
-    assert all(p.params.max_tokens == 32 for p in points) and points[2].params.factor == 1.0
+    assert all(p.params.max_tokens == 32 for p in points) and points[2].params.settings.factor == 1.0
     assert [p.label for p in grid(["dual-cache"], {})] == ["dual-cache"]
 
 

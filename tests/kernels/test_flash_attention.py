@@ -4,7 +4,7 @@ from kernel_testing import BUDGET, DEVICE, rel_err  # first: it picks the interp
 import pytest
 import torch
 
-from flash_dllm.cache.block_table import BlockTable, cu_seqlens
+from flash_dllm.cache.attention_metadata import AttentionMetadata, cu_seqlens
 from flash_dllm.kernels.attention import ragged_attention_ref
 from flash_dllm.kernels.flash_attention import flash_attention
 
@@ -29,7 +29,7 @@ def make_batch(q_counts, kv_lens, heads, kv_heads, head_dim, dtype, verify=False
     rand = lambda *shape: torch.randn(*shape, generator=g).to(dtype).to(DEVICE)
     q, k_cache, v_cache = rand(N, heads, head_dim), rand(row, kv_heads, head_dim), rand(row, kv_heads, head_dim)
     max_q, max_kv = max(q_counts), max(kv_lens)
-    table = BlockTable(cu_seqlens_q=cu_seqlens(q_counts, DEVICE), kv_start=torch.tensor(bases, device=DEVICE),
+    table = AttentionMetadata(cu_seqlens_q=cu_seqlens(q_counts, DEVICE), kv_start=torch.tensor(bases, device=DEVICE),
                        kv_len=torch.tensor(kv_lens, device=DEVICE),
                        slot_mapping=torch.zeros(N, dtype=torch.long, device=DEVICE),  # no cache write here
                        max_q=max_q, max_kv=max_kv, track_rows=(torch.rand(N, generator=g) < 0.5).to(DEVICE))

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from flash_dllm.kernels.fused_qkv_rope import fused_qkv_rope, fused_qkv_rope_ref
-from flash_dllm.models.llada import apply_rotary, rotary_cos_sin
+from flash_dllm.models.layers import apply_rotary, rotary_cos_sin
 
 # (d_model, heads, kv heads, head_dim, bias, rows): MHA; GQA with biases, head_dim 24 (half not a power of
 # two) and d_model 96 (a partial K tile); LLaDA-like d_model 384; head_dim 96 (a head in two column chunks,

@@ -12,8 +12,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import flash_dllm
-from flash_dllm.config import PRESETS, ModelConfig
-from flash_dllm.models import build_model, random_model, save_checkpoint
+from flash_dllm.config import PRESETS
+from flash_dllm.models import build_model, parse_config, random_model, save_checkpoint
 
 P = "model.transformer."
 INDEX = "model.safetensors.index.json"
@@ -262,7 +262,7 @@ def test_missing_single_file_tensor(tmp_path):
 # ----------------------------------------------------------------------------- LLaDA-8B (meta device only)
 
 def test_llada_8b_config():
-    cfg = ModelConfig.from_hf_dict(PRESETS["llada-8b"])
+    cfg = parse_config(PRESETS["llada-8b"])
     assert cfg.head_dim == 128
     assert cfg.vocab_size == 126464
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.num_layers, cfg.intermediate_size) == (32, 32, 32, 12288)
@@ -274,7 +274,7 @@ def test_llada_8b_config():
 
 def test_llada_8b_parameters_on_meta():
     hf = PRESETS["llada-8b"]
-    model = build_model(ModelConfig.from_hf_dict(hf), "meta", torch.bfloat16)
+    model = build_model(parse_config(hf), "meta", torch.bfloat16)
     params = dict(model.named_parameters())
     assert all(p.device.type == "meta" and p.dtype == torch.bfloat16 for p in params.values())
     total = sum(p.numel() for p in params.values())

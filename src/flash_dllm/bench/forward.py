@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..markdown import markdown_table
 from .roofline import floor_seconds, forward_flops
 
 
@@ -80,8 +81,3 @@ def format_table(results: list[ForwardResult]) -> str:
              f"{r.ratio:.2f}", f"{r.tflops:.0f}", f"{r.peak_gb:.1f}") for r in results]
     return markdown_table(header, rows)
 
-
-def markdown_table(header, rows) -> str:
-    lines = ["| " + " | ".join(map(str, header)) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(map(str, row)) + " |" for row in rows]
-    return "\n".join(lines)

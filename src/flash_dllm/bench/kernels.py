@@ -10,14 +10,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..cache.block_table import BlockTable, cu_seqlens
+from ..cache.attention_metadata import AttentionMetadata, cu_seqlens
 from ..config import ModelConfig
 from ..kernels.attention import ragged_attention_ref
 from ..kernels.flash_attention import flash_attention
 from ..kernels.fused_qkv_rope import fused_qkv_rope, fused_qkv_rope_ref, qkv_rope
 from ..kernels.rms_norm import rms_norm, rms_norm_ref
 from ..kernels.silu_mul import silu_mul, silu_mul_ref
-from .forward import markdown_table, time_ms
+from ..markdown import markdown_table
+from .forward import time_ms
 
 
 @dataclass(frozen=True)
@@ -38,16 +39,16 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def attention_inputs(cfg: ModelConfig, batch: int, rows: int, kv_length: int, dtype, device):
     """Random q [batch * rows, H, D] and a cache holding `batch` ranges of kv_length rows, with the block
-    table of `rows` queries per request attending to its range (half the rows tracked)."""
+    metadata of `rows` queries per request attending to its range (half the rows tracked)."""
     rand = lambda *shape: torch.randn(*shape, device=device, dtype=dtype)
     q = rand(batch * rows, cfg.num_heads, cfg.head_dim)
     k_cache, v_cache = (rand(batch * kv_length, cfg.num_kv_heads, cfg.head_dim) for _ in range(2))
-    table = BlockTable(cu_seqlens_q=cu_seqlens([rows] * batch, device),
-                       kv_start=torch.arange(batch, device=device) * kv_length,
-                       kv_len=torch.full((batch,), kv_length, device=device),
-                       slot_mapping=torch.zeros(batch * rows, dtype=torch.long, device=device),  # no cache write
-                       max_q=rows, max_kv=kv_length, track_rows=torch.rand(batch * rows, device=device) < 0.5)
-    return q, k_cache, v_cache, table
+    metadata = AttentionMetadata(cu_seqlens_q=cu_seqlens([rows] * batch, device),
+                                 kv_start=torch.arange(batch, device=device) * kv_length,
+                                 kv_len=torch.full((batch,), kv_length, device=device),
+                                 slot_mapping=torch.zeros(batch * rows, dtype=torch.long, device=device),  # unused
+                                 max_q=rows, max_kv=kv_length, track_rows=torch.rand(batch * rows, device=device) < 0.5)
+    return q, k_cache, v_cache, metadata
 
 
 @torch.inference_mode()
@@ -56,8 +57,8 @@ def bench_kernels(model, batch: int, rows: int, kv_length: int, warmup: int = 10
     """`rows` query rows per request, the tail of a sequence of kv_length positions, for `batch` requests."""
     torch.manual_seed(seed)
     cfg = model.config
-    block = model.transformer["blocks"][0]
-    weight, bias = block.qkv_proj.weight, block.qkv_proj.bias
+    layer = model.layers[0]
+    weight, bias = layer.attention.qkv_proj.weight, layer.attention.qkv_proj.bias
     device, dtype = weight.device, weight.dtype
     N, shape = batch * rows, f"B={batch} rows={rows} kv={kv_length}"
     time = lambda fn: time_ms(fn, warmup, iters, device)
@@ -86,15 +87,15 @@ def bench_kernels(model, batch: int, rows: int, kv_length: int, warmup: int = 10
         add(name, lambda fn=fn: project(fn, caches[0], caches[1]), reference, "cuBLAS GEMM alone", gemm,
             compare=lambda fn=fn: compare_projection(fn))
 
-    q, k_cache, v_cache, table = attention_inputs(cfg, batch, rows, kv_length, dtype, device)
+    q, k_cache, v_cache, metadata = attention_inputs(cfg, batch, rows, kv_length, dtype, device)
     group = cfg.num_heads // cfg.num_kv_heads
     dense = lambda t, length: t.view(batch, length, -1, cfg.head_dim).transpose(1, 2)
     k_dense, v_dense = (dense(c, kv_length).repeat_interleave(group, dim=1) for c in (k_cache, v_cache))
     sdpa = lambda: F.scaled_dot_product_attention(dense(q, rows), k_dense, v_dense)
-    add("attention", lambda: flash_attention(q, k_cache, v_cache, table),
-        lambda: ragged_attention_ref(q, k_cache, v_cache, table), "SDPA dense", sdpa)
+    add("attention", lambda: flash_attention(q, k_cache, v_cache, metadata),
+        lambda: ragged_attention_ref(q, k_cache, v_cache, metadata), "SDPA dense", sdpa)
     masses = [torch.zeros(batch, kv_length, device=device) for _ in range(2)]
-    with_mass = lambda fn, mass: lambda: fn(q, k_cache, v_cache, table, key_mass=mass.zero_())
+    with_mass = lambda fn, mass: lambda: fn(q, k_cache, v_cache, metadata, key_mass=mass.zero_())
 
     def compare_mass():
         with_mass(flash_attention, masses[0])()
@@ -102,14 +103,14 @@ def bench_kernels(model, batch: int, rows: int, kv_length: int, warmup: int = 10
         return masses
     add("attention + key mass", with_mass(flash_attention, masses[0]), with_mass(ragged_attention_ref, masses[1]),
         "SDPA dense", sdpa, compare=compare_mass)
-    verify_table = dataclasses.replace(table, write_cache=False,
+    verify_table = dataclasses.replace(metadata, write_cache=False,
                                        hidden_keys=torch.rand(batch, kv_length, device=device) < 0.1,
                                        self_visibility=torch.rand(batch, rows, rows, device=device) < 0.5)
     k_new, v_new = (torch.randn(N, cfg.num_kv_heads, cfg.head_dim, device=device, dtype=dtype) for _ in range(2))
     verify = lambda fn: lambda: fn(q, k_cache, v_cache, verify_table, k_new=k_new, v_new=v_new)
     add("verify pass", verify(flash_attention), verify(ragged_attention_ref), "SDPA dense", sdpa)
 
-    norm = block.attn_norm
+    norm = layer.attn_norm
     add("rms_norm", lambda: rms_norm(x, norm.weight, norm.bias, norm.eps),
         lambda: rms_norm_ref(x, norm.weight, norm.bias, norm.eps))
     gate_up = torch.randn(N, 2 * cfg.intermediate_size, device=device, dtype=dtype)

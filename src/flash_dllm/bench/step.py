@@ -18,9 +18,11 @@ from dataclasses import dataclass
 import torch
 
 from ..cache import KVCache
+from ..decoding.registry import method_of
 from ..engine.llm_engine import LLMEngine
+from ..engine.model_runner import ModelRunner
 from ..sampling_params import SamplingParams
-from .forward import markdown_table
+from ..markdown import markdown_table
 from .roofline import floor_seconds, iteration_cost, weight_bytes_read
 
 MODELLED_TOKENS_PER_ITER = (1.0, 2.8, 5.7)  # tokens/s as if each iteration decoded this many per request
@@ -30,7 +32,7 @@ MODELLED_TOKENS_PER_ITER = (1.0, 2.8, 5.7)  # tokens/s as if each iteration deco
 class StepResult:
     method: str
     batch: int
-    block: int
+    block: int | None       # None: the method has no blocks
     ms_per_iter: float
     tokens_per_iter: float  # per request, measured
     query_rows: float       # per request and iteration, from the engine's counters
@@ -38,7 +40,7 @@ class StepResult:
     bytes_floor_ms: float
     flops_floor_ms: float
     peak_gb: float
-    working_gb: float       # peak less the weights and the KV cache (the issue's budget: 2 GB at batch 16)
+    working_gb: float       # peak less the weights and the KV cache (the working memory)
 
     @property
     def floor_ms(self) -> float:
@@ -76,8 +78,11 @@ def bench_step(llm, params: SamplingParams, batch: int, prompt_length: int, warm
     prompts[prompts == llm.special.mask_id] = llm.special.pad_id
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    cache_bytes = batch * length * KVCache.bytes_per_row(cfg, llm.dtype, with_hidden=params.caches_hidden_states)
-    engine = LLMEngine(llm.model, dataclasses.replace(llm.special, stop_ids=()), batch, cache_bytes, llm.cuda_graphs)
+    method = method_of(params.method)
+    cache_bytes = batch * length * KVCache.bytes_per_row(cfg, llm.dtype, with_hidden=method.caches_hidden_states)
+    runner = ModelRunner(llm.model, kernels=llm.runner.kernels, cuda_graphs=llm.runner.cuda_graphs,
+                         kv_cache_bytes=cache_bytes)
+    engine = LLMEngine(runner, dataclasses.replace(llm.special, stop_ids=()), batch)
     for p in prompts:
         engine.add_request(p.tolist(), params)
     for _ in range(warmup):
@@ -94,11 +99,12 @@ def bench_step(llm, params: SamplingParams, batch: int, prompt_length: int, warm
                             for after, b in zip(_counters(engine, llm.special.mask_id), before))
     peak = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else float("nan")
     resident = sum(p.numel() * p.element_size() for p in llm.model.parameters())
-    resident += engine.cache.nbytes if engine.cache is not None else 0  # reference has no cache
+    resident += runner.cache.nbytes if runner.cache is not None else 0  # methods without a cache
     num_bytes, flops = iteration_cost(cfg, batch, length, rows, passes, weight_bytes_read(llm.model),
                                       KVCache.bytes_per_row(cfg, llm.dtype))
     memory_s, compute_s, _ = floor_seconds(num_bytes, flops)
-    return StepResult(params.method, batch, params.block_length, ms, tokens, rows, passes,
+    return StepResult(params.method, batch, params.block_length if method.uses_blocks else None, ms, tokens, rows,
+                      passes,
                       memory_s * 1e3, compute_s * 1e3, peak, peak - resident / 1e9)
 
 
@@ -107,14 +113,14 @@ def _counters(engine, mask_id: int) -> tuple[int, int, int]:
     refresh is not a pass here (its weight re-read is left out of the floor); its rows count at full depth."""
     batch = engine.batch
     decoded = int((batch.tokens[:, batch.gen_start:] != mask_id).sum())
-    return decoded, sum(seq.query_rows for seq in batch.seqs), int(batch.nfe.sum())
+    return decoded, sum(row.query_rows for row in batch.rows), int(batch.counters.nfe.sum())
 
 
 def format_table(results: list[StepResult]) -> str:
     header = ("method", "batch", "block", "ms/iter", "tokens/iter/req", "query rows/iter/req", "passes/iter",
               "bytes floor ms", "FLOP floor ms", "x floor", "peak GB", "peak - weights - cache GB",
               *(f"tok/s @{k}" for k in MODELLED_TOKENS_PER_ITER))
-    rows = [(r.method, r.batch, "-" if r.method == "elastic" else r.block,  # elastic has no blocks
+    rows = [(r.method, r.batch, "-" if r.block is None else r.block,
              f"{r.ms_per_iter:.2f}", f"{r.tokens_per_iter:.2f}", f"{r.query_rows:.0f}", f"{r.passes:.2f}",
              f"{r.bytes_floor_ms:.3g}", f"{r.flops_floor_ms:.3g}", f"{r.ratio:.2f}",
              *("-" if math.isnan(gb) else f"{gb:.2f}" for gb in (r.peak_gb, r.working_gb)),  # nan: not on a GPU

@@ -23,8 +23,10 @@ others as last computed) against the current keys, so every deeper layer gets K/
 Rows refresh from different layers in one pass: sorted by first layer, the rows active at a layer are a
 prefix of the pass.
 
-Host reads: the next step's query counts ride on the engine's one sync per step; the refresh pass's shape
-(which rows refresh, from which layer) costs one more per step once a row is past its first pass.
+Per-position state: `newly` (changed since the cache last saw the position; all of them before the first
+pass) and `tracked` (the positions whose attention the next step's drift test compares). Host reads: the
+next step's query counts ride on the engine's one sync per step; the refresh pass's shape (which rows
+refresh, from which layer) costs one more per step once a row is past its first pass.
 
 Deliberate differences from the published code:
 - the cosine is taken over the key axis, as the paper describes; the code takes it over the head axis;
@@ -39,23 +41,41 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from ..cache.block_table import BlockTable, cu_seqlens, device_tensor, flat_rows
-from ..cache.kv_cache import KVCache
-from ..engine.batch import DecodeBatch
-from ..models.llada import Rotary, apply_rotary, rotary_cos_sin
+from ..cache.attention_metadata import AttentionMetadata, device_tensor
+from ..models.layers import Rotary, rotary_cos_sin
+from .base import DecodingMethod, check, knob
+from .parallel import ThresholdSettings
 from .sampling import sample_tokens
 from .transfer import transfer_threshold
 
+if TYPE_CHECKING:
+    from ..batch import DecodeBatch
+    from ..engine.model_runner import CachedPass, ModelRunner
 
-def initial_position_state(length: int, device) -> dict[str, torch.Tensor]:
-    """`newly`: changed since the cache last saw the position (all of them before the first pass);
-    `tracked`: the positions whose attention the next step's drift test compares."""
-    return {"newly": torch.ones(length, dtype=torch.bool, device=device),
-            "tracked": torch.zeros(length, dtype=torch.bool, device=device)}
+
+@dataclass(frozen=True)
+class ElasticSettings(ThresholdSettings):
+    mask_window: int = knob(16, "the window: masked positions recomputed per step")
+    drift_threshold: float = knob(0.9, "refresh from the first layer whose attention drift cosine is below this "
+                                       "(> 1: every step, the window rule without cache)")
+    track_num: int = knob(1, "most-attended decoded positions tracked per layer")
+
+    def __post_init__(self):
+        super().__post_init__()
+        check(self.mask_window > 0, f"mask_window must be positive, got {self.mask_window}")
+        check(self.drift_threshold >= 0, f"drift_threshold must be >= 0, got {self.drift_threshold}")
+        check(self.track_num > 0, f"track_num must be positive, got {self.track_num}")
+
+
+@dataclass
+class ElasticState:
+    newly: torch.Tensor    # bool
+    tracked: torch.Tensor  # bool
 
 
 def window_mask(tokens: torch.Tensor, gen_start: int, beta: int, mask_id: int,
@@ -104,147 +124,135 @@ def select_tracked(key_mass: torch.Tensor, decoded: torch.Tensor, lengths: torch
     return torch.zeros(B, width, dtype=torch.long, device=decoded.device).scatter_add_(1, index, found) > 0
 
 
-@dataclass
-class _Pass:
-    """The flat rows of one cached pass, by group: group g is batch row order[g] (rows cu_seqlens_q[g]:[g + 1])."""
-    order: torch.Tensor   # [G]
-    counts: list[int]     # rows per group
-    row: torch.Tensor     # [N] batch row
-    column: torch.Tensor  # [N]
-    slot: torch.Tensor    # [N] KV-cache row
-    rope: Rotary
-    flat: torch.Tensor    # [B, W] the flat row of each (batch row, column), -1 where the pass has none
-    table: BlockTable     # track_rows: the window rows
-
-    @classmethod
-    def build(cls, model, batch: DecodeBatch, order: list[int], selected: torch.Tensor, counts: list[int],
-              window: torch.Tensor) -> _Pass:
-        """The columns `selected` [B, W] of the batch rows in `order`; counts: how many each row selects."""
-        device, width = batch.tokens.device, batch.tokens.shape[1]
-        order_t = device_tensor(order, device)
-        num_rows, cu = sum(counts), cu_seqlens(counts, device)
-        group, rank = flat_rows(counts, cu)
-        chosen = leading_columns(selected[order_t], max(counts))[0]
-        column = chosen[group, rank]
-        row = order_t[group]
-        position = column - (width - batch.lengths)[row]
-        slot = batch.cache_base[row] + position
-        rope = Rotary.at(position, model.config)
-        max_kv = max(batch.seqs[b].length for b in order)
-        flat = torch.full(batch.tokens.shape, -1, dtype=torch.long, device=device)
-        flat[row, column] = torch.arange(num_rows, device=device)
-        table = BlockTable(cu_seqlens_q=cu, kv_start=batch.cache_base[order_t], kv_len=batch.lengths[order_t],
-                           slot_mapping=slot, max_q=max(counts), max_kv=max_kv, track_rows=window[row, column])
-        return cls(order_t, counts, row, column, slot, rope, flat, table)
-
-    def prefix(self, groups: int) -> tuple[BlockTable, int]:
-        """For a pass over whole sequences (counts = lengths): the block table of the first `groups` groups,
-        and their number of rows."""
-        t, n, longest = self.table, sum(self.counts[:groups]), max(self.counts[:groups])
-        table = BlockTable(cu_seqlens_q=t.cu_seqlens_q[:groups + 1], kv_start=t.kv_start[:groups],
-                           kv_len=t.kv_len[:groups], slot_mapping=t.slot_mapping[:n], max_q=longest,
-                           max_kv=longest, track_rows=t.track_rows[:n])
-        return table, n
+def _prepare(runner: ModelRunner, batch: DecodeBatch, order: list[int], selected: torch.Tensor, counts: list[int],
+             window: torch.Tensor) -> CachedPass:
+    """A pass over the columns `selected` [B, W] of the batch rows in `order` (counts: how many each selects);
+    the window's rows are tracked."""
+    columns = leading_columns(selected[device_tensor(order, batch.tokens.device)], max(counts))[0]
+    return runner.prepare(batch, counts, columns, order=order, track=window)
 
 
-def _queries(block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The RoPE'd queries [..., H, D] of a layer's input hidden states x [..., d]."""
-    proj, rows = block.qkv_proj, block.qkv_proj.rows(0)
-    q = F.linear(block.attn_norm(x), proj.weight[rows], None if proj.bias is None else proj.bias[rows])
-    return apply_rotary(q.unflatten(-1, (block.num_heads, block.head_dim)), cos, sin)
+def _leading_groups(p: CachedPass, groups: int) -> tuple[AttentionMetadata, int]:
+    """For a pass over whole sequences (counts = lengths): the attention metadata of its first `groups`
+    groups, and their number of rows."""
+    m, counts = p.metadata, p.rows.counts
+    n, longest = sum(counts[:groups]), max(counts[:groups])
+    metadata = AttentionMetadata(cu_seqlens_q=m.cu_seqlens_q[:groups + 1], kv_start=m.kv_start[:groups],
+                                 kv_len=m.kv_len[:groups], slot_mapping=m.slot_mapping[:n], max_q=longest,
+                                 max_kv=longest, track_rows=m.track_rows[:n])
+    return metadata, n
 
 
-def _reuse_pass(model, batch: DecodeBatch, cache: KVCache, reuse: _Pass, tracked: torch.Tensor, drift: bool):
+def _reuse_pass(runner: ModelRunner, batch: DecodeBatch, reuse: CachedPass, tracked: torch.Tensor, drift: bool):
     """Every layer over the query rows. Returns their final hidden states [N, d], the window's attention mass
     per layer [L, B, W] (by position) and, with `drift`, the tracked rows' similarity per layer [L, B]."""
-    blocks, hidden = model.transformer["blocks"], cache.hidden_states()
+    model, cache = runner.model, runner.cache
+    layers, hidden, cfg = model.layers, cache.hidden_states(), model.config
     tokens, lengths, base = batch.tokens, batch.lengths, batch.cache_base
     (B, width), device = tokens.shape, tokens.device
-    key_mass = torch.zeros(len(blocks), B, width, device=device)
-    similarity = torch.ones(len(blocks), B, device=device)
+    key_mass = torch.zeros(len(layers), B, width, device=device)
+    similarity = torch.ones(len(layers), B, device=device)
     if drift:  # the tracked rows [B, T] and every row's keys [B, W]
-        t_column, t_valid = leading_columns(tracked, min(len(blocks) * batch.params.track_per_layer, width))
+        track_num = batch.params.settings.track_num
+        t_column, t_valid = leading_columns(tracked, min(len(layers) * track_num, width))
         t_position = (t_column - (width - lengths)[:, None]).clamp(min=0)
-        t_slot, t_flat = base[:, None] + t_position, reuse.flat.gather(1, t_column).clamp(min=0)
-        t_cos, t_sin = rotary_cos_sin(t_position, model.config.head_dim, model.config.rope_theta)
+        t_slot, t_flat = base[:, None] + t_position, reuse.flat_of_column.gather(1, t_column).clamp(min=0)
+        t_cos, t_sin = rotary_cos_sin(t_position, cfg.head_dim, cfg.rope_theta)
         offsets = torch.arange(width, device=device)
         key_valid = offsets < lengths[:, None]
         key_slot = base[:, None] + torch.where(key_valid, offsets, 0)
-    x = model.transformer["wte"](tokens[reuse.row, reuse.column])
-    for layer, block in enumerate(blocks):
+    rope = Rotary.at(reuse.positions, cfg)
+    x = model.embed(reuse.input_ids)
+    for index, layer in enumerate(layers):
         if drift:  # before: the cached inputs' queries against the keys as cached
-            before = attention_rows(_queries(block, hidden[layer][t_slot], t_cos, t_sin), cache.k[layer][key_slot],
+            before = attention_rows(layer.queries(hidden[index][t_slot], t_cos, t_sin), cache.k[index][key_slot],
                                     key_valid)
-            q_after = _queries(block, x[t_flat], t_cos, t_sin)
-        hidden[layer][reuse.slot] = x
-        x = block.forward_cached(x, reuse.rope, reuse.table, cache, key_mass[layer], model.use_kernels)
+            q_after = layer.queries(x[t_flat], t_cos, t_sin)
+        hidden[index][reuse.metadata.slot_mapping] = x
+        x = layer.forward_cached(x, rope, reuse.metadata, cache, key_mass[index], runner.kernels)
         if drift:
-            after = attention_rows(q_after, cache.k[layer][key_slot], key_valid)
-            similarity[layer] = drift_similarity(before, after, t_valid)
+            after = attention_rows(q_after, cache.k[index][key_slot], key_valid)
+            similarity[index] = drift_similarity(before, after, t_valid)
     return x, key_mass, similarity
 
 
-def _refresh_pass(model, batch: DecodeBatch, cache: KVCache, first_layer: list[int], window: torch.Tensor,
-                  key_mass: torch.Tensor) -> tuple[_Pass, torch.Tensor] | None:
+def _refresh_pass(runner: ModelRunner, batch: DecodeBatch, first_layer: list[int], window: torch.Tensor,
+                  key_mass: torch.Tensor) -> tuple[CachedPass, torch.Tensor] | None:
     """Recompute layers first_layer[b]..L-1 over every position of the rows b with first_layer[b] < L, each
     from its cached input hidden states at its first layer. Overwrites their key_mass rows at those layers.
     Returns the pass and its final hidden states [N, d], or None if no row refreshes."""
-    blocks, hidden = model.transformer["blocks"], cache.hidden_states()
-    num_layers = len(blocks)
+    model, cache = runner.model, runner.cache
+    layers, hidden = model.layers, cache.hidden_states()
+    num_layers = len(layers)
     order = sorted((b for b, first in enumerate(first_layer) if first < num_layers), key=first_layer.__getitem__)
     if not order:
         return None
-    batch.count_query_rows([seq.length * (num_layers - first) // num_layers  # in full-depth rows
-                            for seq, first in zip(batch.seqs, first_layer)])
+    batch.count_query_rows([row.length * (num_layers - first) // num_layers  # in full-depth rows
+                            for row, first in zip(batch.rows, first_layer)])
     starts = [first_layer[b] for b in order]
-    lengths = [batch.seqs[b].length for b in order]
-    refresh = _Pass.build(model, batch, order, batch.attention_mask, lengths, window)
-    device = refresh.row.device
-    row_start = device_tensor(first_layer, device)[refresh.row]                      # [N] each row's first layer
-    x = torch.zeros(refresh.row.shape[0], model.config.hidden_size, dtype=hidden[0].dtype, device=device)
-    for layer in range(starts[0], num_layers):
-        groups = bisect_right(starts, layer)
-        table, n = refresh.prefix(groups)
-        if layer in starts:  # rows joining here start from their cached inputs
-            x = torch.where((row_start == layer)[:, None], hidden[layer][refresh.slot], x)
-        hidden[layer][refresh.slot[:n]] = x[:n]
-        mass = torch.zeros(groups, table.max_kv, device=device)
-        x[:n] = blocks[layer].forward_cached(x[:n], refresh.rope[:n], table, cache, mass, model.use_kernels)
-        key_mass[layer, refresh.order[:groups]] = F.pad(mass, (0, key_mass.shape[2] - table.max_kv))
+    lengths = [batch.rows[b].length for b in order]
+    refresh = _prepare(runner, batch, order, batch.attention_mask, lengths, window)
+    device = refresh.request.device
+    rope = Rotary.at(refresh.positions, model.config)
+    slots = refresh.metadata.slot_mapping
+    row_start = device_tensor(first_layer, device)[refresh.request]                  # [N] each row's first layer
+    order_t = device_tensor(order, device)
+    x = torch.zeros(refresh.request.shape[0], model.config.hidden_size, dtype=hidden[0].dtype, device=device)
+    for index in range(starts[0], num_layers):
+        groups = bisect_right(starts, index)
+        metadata, n = _leading_groups(refresh, groups)
+        if index in starts:  # rows joining here start from their cached inputs
+            x = torch.where((row_start == index)[:, None], hidden[index][slots], x)
+        hidden[index][slots[:n]] = x[:n]
+        mass = torch.zeros(groups, metadata.max_kv, device=device)
+        x[:n] = layers[index].forward_cached(x[:n], rope[:n], metadata, cache, mass, runner.kernels)
+        key_mass[index, order_t[:groups]] = F.pad(mass, (0, key_mass.shape[2] - metadata.max_kv))
     return refresh, x
 
 
-def elastic_step(model, batch: DecodeBatch, cache: KVCache, mask_id: int, stop_ids: torch.Tensor | None):
-    params, tokens, state = batch.params, batch.tokens, batch.position_state
-    B, width = tokens.shape
-    window = window_mask(tokens, batch.gen_start, params.window, mask_id, stop_ids)
-    decoded = batch.attention_mask & (tokens != mask_id)  # before this step: the keys that may be tracked
-    drift = any(seq.query_rows > 0 for seq in batch.seqs)  # some row is past its first pass
-    counts = batch.host_query_rows
-    batch.count_query_rows(counts)
-    reuse = _Pass.build(model, batch, list(range(B)), state["tracked"] | state["newly"] | window, counts, window)
-    x, key_mass, similarity = _reuse_pass(model, batch, cache, reuse, state["tracked"], drift)
+class Elastic(DecodingMethod):
+    name = "elastic"
+    Settings = ElasticSettings
+    uses_cache = True
+    caches_hidden_states = True
+    uses_blocks = False
 
-    win_column, win_valid = leading_columns(window, min(params.window, width))
-    h = x[reuse.flat.gather(1, win_column).clamp(min=0)]                            # [B, beta, d]
-    if drift:
-        fires = (similarity < params.drift_gamma) & (batch.steps > 0)                 # [L, B]
-        first_layer = torch.where(fires.any(dim=0), fires.int().argmax(dim=0), fires.shape[0])
-        refreshed = _refresh_pass(model, batch, cache, first_layer.tolist(), window, key_mass)  # 2nd host read
-        if refreshed is not None:
-            refresh, x_refresh = refreshed
-            flat = refresh.flat.gather(1, win_column)
-            h = torch.where((flat >= 0)[..., None], x_refresh[flat.clamp(min=0)], h)
+    def initial_state(self, length: int, device: torch.device) -> ElasticState:
+        return ElasticState(newly=torch.ones(length, dtype=torch.bool, device=device),
+                            tracked=torch.zeros(length, dtype=torch.bool, device=device))
 
-    logits = model.compute_logits(model.transformer["ln_f"](h)).float()
-    candidates, confidence = sample_tokens(logits, batch.temperature, batch.seed, batch.steps,
-                                           win_column - batch.gen_start, sample=batch.is_sampling, mask_id=mask_id)
-    transfer = transfer_threshold(confidence.masked_fill(~win_valid, float("-inf")), win_valid, batch.rule_value)
-    tokens.scatter_(1, win_column, torch.where(transfer, candidates, tokens.gather(1, win_column)))
+    def step(self, runner: ModelRunner, batch: DecodeBatch):
+        settings, tokens, state, mask_id = batch.params.settings, batch.tokens, batch.state, batch.mask_id
+        B, width = tokens.shape
+        window = window_mask(tokens, batch.gen_start, settings.mask_window, mask_id, batch.stop_ids)
+        decoded = batch.attention_mask & (tokens != mask_id)  # before this step: the keys that may be tracked
+        drift = not all(row.is_first_pass for row in batch.rows)  # some row is past its first pass
+        counts = [row.length if row.next_query_rows is None else row.next_query_rows for row in batch.rows]
+        batch.count_query_rows(counts)
+        reuse = _prepare(runner, batch, list(range(B)), state.tracked | state.newly | window, counts, window)
+        x, key_mass, similarity = _reuse_pass(runner, batch, reuse, state.tracked, drift)
 
-    state["newly"] = torch.zeros_like(window).scatter_(1, win_column, transfer)
-    state["tracked"] = select_tracked(key_mass, decoded, batch.lengths, params.track_per_layer)
-    next_window = window_mask(tokens, batch.gen_start, params.window, mask_id, stop_ids)
-    batch.next_query_rows = (state["tracked"] | state["newly"] | next_window).sum(dim=1)
-    batch.steps += 1
-    batch.nfe += 1
+        win_column, win_valid = leading_columns(window, min(settings.mask_window, width))
+        h = x[runner.logit_rows(reuse.flat_of_column, win_column).clamp(min=0)]              # [B, beta, d]
+        if drift:
+            fires = (similarity < settings.drift_threshold) & (batch.counters.steps > 0)    # [L, B]
+            first_layer = torch.where(fires.any(dim=0), fires.int().argmax(dim=0), fires.shape[0])
+            refreshed = _refresh_pass(runner, batch, first_layer.tolist(), window, key_mass)  # 2nd host read
+            if refreshed is not None:
+                refresh, x_refresh = refreshed
+                rows = runner.logit_rows(refresh.flat_of_column, win_column)
+                h = torch.where((rows >= 0)[..., None], x_refresh[rows.clamp(min=0)], h)
+
+        logits = runner.model.compute_logits(runner.model.final_norm(h)).float()
+        candidates, confidence = sample_tokens(logits, batch.temperature, batch.seed, batch.counters.steps,
+                                               win_column - batch.gen_start, sample=batch.is_sampling,
+                                               mask_id=mask_id)
+        transfer = transfer_threshold(confidence.masked_fill(~win_valid, float("-inf")), win_valid, batch.rule_value)
+        tokens.scatter_(1, win_column, torch.where(transfer, candidates, tokens.gather(1, win_column)))
+
+        state.newly = torch.zeros_like(window).scatter_(1, win_column, transfer)
+        state.tracked = select_tracked(key_mass, decoded, batch.lengths, settings.track_num)
+        next_window = window_mask(tokens, batch.gen_start, settings.mask_window, mask_id, batch.stop_ids)
+        batch.next_query_rows = (state.tracked | state.newly | next_window).sum(dim=1)
+        batch.counters.steps += 1
+        batch.counters.nfe += 1

@@ -1,89 +1,114 @@
-"""Flash-Cache: selective cache update.
+"""Flash-Cache: selective cache update, with the parallel rule.
 
 After a full first pass, a step recomputes a fixed-size set of query positions per sequence,
-Q = min(beta_m + beta_t, L): the window of the beta_m leftmost masked positions, then decoded positions
-in this order: those decoded in the previous step, then by the softmax attention mass the masked queries
-gave them in the previous step (over layers and heads). When fewer than beta_m masks remain, or fewer
-than beta_t positions are decoded, the spare rows go to the remaining candidates (decoded positions, or
-the nearest masks beyond the window), so the query count stays fixed. Every other position is read from
-the KV cache. Per-position state: `key_mass` (last step's attention mass) and `decoded_at` (the step
-that decoded the position; -1 for the prompt and for masks).
+Q = min(beta_m + beta_t, L): the window of the beta_m (`mask_window`) leftmost masked positions, then
+beta_t (`tracking_budget`) decoded positions in this order: those decoded in the previous step, then by
+the softmax attention mass the masked queries gave them in the previous step (over layers and heads). When
+fewer than beta_m masks remain, or fewer than beta_t positions are decoded, the spare rows go to the
+remaining candidates (decoded positions, or the nearest masks beyond the window), so the query count stays
+fixed. Every other position is read from the KV cache.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 
-from ..cache.block_table import BlockTable, cu_seqlens, flat_rows
-from ..cache.kv_cache import KVCache
-from ..engine.batch import DecodeBatch
+from ..cache.attention_metadata import device_tensor
+from .base import check, knob
+from .parallel import Parallel, ParallelSettings, ThresholdSettings
+
+if TYPE_CHECKING:
+    from ..batch import DecodeBatch
+    from ..engine.model_runner import ModelRunner
+    from ..sampling_params import SamplingParams
 
 
-def initial_position_state(length: int, device) -> dict[str, torch.Tensor]:
-    return {"key_mass": torch.zeros(length, device=device),
-            "decoded_at": torch.full((length,), -1, dtype=torch.long, device=device)}
+@dataclass(frozen=True)
+class SelectiveSettings(ThresholdSettings):
+    """The query budget of Flash-Cache's steps (and Flash-Verify's draft passes)."""
+    tracking_budget: int = knob(80, "decoded positions recomputed per step", symbol="beta_t")
+    mask_window: int = knob(64, "masked positions recomputed per step (at least a block)", symbol="beta_m")
+
+    def __post_init__(self):
+        super().__post_init__()
+        check(self.tracking_budget >= 0, f"tracking_budget must be >= 0, got {self.tracking_budget}")
 
 
-def query_counts(batch: DecodeBatch) -> list[int]:
-    """Rows per sequence this step: everything on its first pass, else the fixed budget."""
-    budget = batch.params.window + batch.params.tracked
-    return [seq.length if seq.query_rows == 0 else min(budget, seq.length) for seq in batch.seqs]
+@dataclass(frozen=True)
+class FlashCacheSettings(SelectiveSettings, ParallelSettings):
+    pass
 
 
-def query_priority(batch: DecodeBatch, mask_id: int) -> torch.Tensor:
+@dataclass
+class FlashCacheState:
+    key_mass: torch.Tensor    # fp32: the attention mass the masked queries gave the position last step
+    decoded_at: torch.Tensor  # long: the step that decoded the position; -1 for the prompt and for masks
+
+
+def query_priority(batch: DecodeBatch) -> torch.Tensor:
     """[B, W] score whose top-Q columns per row are the step's queries (-inf: never a query)."""
-    tokens, real = batch.tokens, batch.attention_mask
+    tokens, real, state = batch.tokens, batch.attention_mask, batch.state
     width = tokens.shape[1]
     columns = torch.arange(width, device=tokens.device)
-    masked = (tokens == mask_id) & (columns >= batch.gen_start)
-    window = masked & (masked.cumsum(dim=1) <= batch.params.window)
+    masked = (tokens == batch.mask_id) & (columns >= batch.gen_start)
+    window = masked & (masked.cumsum(dim=1) <= batch.params.settings.mask_window)
     decoded = real & ~masked
-    newly = decoded & (batch.position_state["decoded_at"] == (batch.steps - 1)[:, None])
-    mass = batch.position_state["key_mass"]
-    relative_mass = mass / (mass.amax(dim=1, keepdim=True) + 1e-30)               # in [0, 1]
-    priority = torch.where(masked, 1.0 - columns / width, 2.0 + relative_mass)      # decoded above far masks
+    newly = decoded & (state.decoded_at == (batch.counters.steps - 1)[:, None])
+    relative_mass = state.key_mass / (state.key_mass.amax(dim=1, keepdim=True) + 1e-30)  # in [0, 1]
+    priority = torch.where(masked, 1.0 - columns / width, 2.0 + relative_mass)          # decoded above far masks
     priority = torch.where(newly, 3.5, priority)
     priority = torch.where(window, 5.0, priority)
     return priority.masked_fill(~real, float("-inf"))
 
 
-def flash_cache_logits(model, batch: DecodeBatch, cache: KVCache, block_columns: torch.Tensor,
-                       mask_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the step's query rows through the cached forward. Returns logits [B, n, V] of the block
-    columns (rows of the block that are not queries are decoded positions, whose logits are never used)
-    and the query columns [B, Qmax] (ascending; the batch width where a row has fewer)."""
-    device = batch.tokens.device
-    counts = query_counts(batch)
-    batch.count_query_rows(counts)
-    width, lengths = batch.tokens.shape[1], batch.lengths
-    max_q, num_rows, cu = max(counts), sum(counts), cu_seqlens(counts, device)
-    chosen = torch.topk(query_priority(batch, mask_id), max_q, dim=1).indices          # [B, Qmax]
-    valid = torch.arange(max_q, device=device) < (cu[1:] - cu[:-1])[:, None]
-    chosen = torch.where(valid, chosen, width).sort(dim=1).values                      # ascending, invalid last
-    rows, rank = flat_rows(counts, cu)
-    columns = chosen[rows, rank]                                                       # [N] flat, by sequence
-    positions = columns - (width - lengths)[rows]
-    input_ids = batch.tokens[rows, columns]
-    table = BlockTable(cu_seqlens_q=cu, kv_start=batch.cache_base, kv_len=lengths,
-                       slot_mapping=batch.cache_base[rows] + positions, max_q=max_q,
-                       max_kv=int(max(seq.length for seq in batch.seqs)), track_rows=input_ids == mask_id)
-    key_mass = torch.zeros(len(counts), table.max_kv, device=device)
-    hidden = model.forward_cached(input_ids, positions, table, cache, key_mass=key_mass)
+class FlashCache(Parallel):
+    name = "flash-cache"
+    Settings = FlashCacheSettings
+    uses_cache = True
+    published_block_length = 16
+    demo_variants = None
 
-    # key_mass is indexed by position; store it by column for the next step's choice. Offsets past a row's
-    # length add their 0 to its last column (a scatter without boolean indexing).
-    kv_columns = (width - lengths)[:, None] + torch.arange(table.max_kv, device=device)
-    in_range = torch.arange(table.max_kv, device=device) < lengths[:, None]
-    mass = torch.zeros_like(batch.position_state["key_mass"])
-    mass.scatter_add_(1, kv_columns.clamp(max=width - 1), torch.where(in_range, key_mass, 0.0))
-    batch.position_state["key_mass"] = mass
+    def validate(self, params: SamplingParams):
+        window = params.settings.mask_window
+        check(window >= params.block_length,
+              f"mask_window ({window}) must cover a block (block_length {params.block_length})")
 
-    flat_of_column = torch.full_like(batch.tokens, -1)
-    flat_of_column[rows, columns] = torch.arange(num_rows, device=device)
-    block_rows = flat_of_column.gather(1, block_columns).clamp(min=0)
-    return model.compute_logits(hidden[block_rows]).float(), chosen
+    def initial_state(self, length: int, device: torch.device) -> FlashCacheState:
+        return FlashCacheState(key_mass=torch.zeros(length, device=device),
+                               decoded_at=torch.full((length,), -1, dtype=torch.long, device=device))
 
+    def draft(self, runner: ModelRunner, batch: DecodeBatch, columns: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the step's query rows through the cached forward. Returns fp32 logits [B, n, V] of the block
+        columns (rows of the block that are not queries are decoded positions, whose logits are never used)
+        and the query columns [B, Qmax] (ascending; the batch width where a row has fewer)."""
+        settings, device = batch.params.settings, batch.tokens.device
+        budget = settings.mask_window + settings.tracking_budget
+        counts = [row.length if row.is_first_pass else min(budget, row.length) for row in batch.rows]
+        batch.count_query_rows(counts)
+        width, lengths, max_q = batch.tokens.shape[1], batch.lengths, max(counts)
+        chosen = torch.topk(query_priority(batch), max_q, dim=1).indices                  # [B, Qmax]
+        valid = torch.arange(max_q, device=device) < device_tensor(counts, device)[:, None]
+        chosen = torch.where(valid, chosen, width).sort(dim=1).values                      # ascending, invalid last
+        p = runner.prepare(batch, counts, chosen, track=batch.tokens == batch.mask_id)
+        key_mass = torch.zeros(len(counts), p.metadata.max_kv, device=device)
+        hidden = runner.run(p, key_mass)
 
-def note_decoded(batch: DecodeBatch, block_columns: torch.Tensor, transfer: torch.Tensor):
-    decoded_at = batch.position_state["decoded_at"]
-    current = decoded_at.gather(1, block_columns)
-    decoded_at.scatter_(1, block_columns, torch.where(transfer, batch.steps[:, None], current))
+        # key_mass is indexed by position; store it by column for the next step's choice. Offsets past a row's
+        # length add their 0 to its last column (a scatter without boolean indexing).
+        max_kv = p.metadata.max_kv
+        kv_columns = (width - lengths)[:, None] + torch.arange(max_kv, device=device)
+        in_range = torch.arange(max_kv, device=device) < lengths[:, None]
+        mass = torch.zeros_like(batch.state.key_mass)
+        mass.scatter_add_(1, kv_columns.clamp(max=width - 1), torch.where(in_range, key_mass, 0.0))
+        batch.state.key_mass = mass
+        return runner.logits(hidden, p.flat_of_column, columns), chosen
+
+    def block_logits(self, runner: ModelRunner, batch: DecodeBatch, columns: torch.Tensor) -> torch.Tensor:
+        return self.draft(runner, batch, columns)[0]
+
+    def note_transfer(self, batch: DecodeBatch, columns: torch.Tensor, transfer: torch.Tensor):
+        decoded_at = batch.state.decoded_at
+        current = decoded_at.gather(1, columns)
+        decoded_at.scatter_(1, columns, torch.where(transfer, batch.counters.steps[:, None], current))

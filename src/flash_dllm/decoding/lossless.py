@@ -7,27 +7,57 @@ reference rule gives the true next decision e_j (the most confident masked posit
 its token drawn with step s + j's noise). While e_j == d_j, state T_{j+1} is exact; with m leading
 matches, e_0 .. e_m are accepted: at least one token per iteration, each exactly as the reference would
 decode it. New drafts come from the last exact state's logits, in the reference's own order (current
-block by confidence, then the next block). Per-position state: `draft_rank` (-1: none), `draft_token`.
+block by confidence, then the next block).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 
-from ..engine.batch import DecodeBatch
+from .base import DecodingMethod, Settings, check, knob
 from .sampling import NOISE_STREAM, counter_uniform, sample_tokens
 from .transfer import confidence_ranks
 
+if TYPE_CHECKING:
+    from ..batch import DecodeBatch
+    from ..engine.model_runner import ModelRunner
+    from ..sampling_params import SamplingParams
 
-def initial_position_state(length: int, device) -> dict[str, torch.Tensor]:
-    return {"draft_rank": torch.full((length,), -1, dtype=torch.long, device=device),
-            "draft_token": torch.zeros(length, dtype=torch.long, device=device)}
+
+@dataclass(frozen=True)
+class LosslessSettings(Settings):
+    draft_length: int = knob(4, "hypothesised steps verified per pass (at most block_length)", symbol="draft")
 
 
-def lossless_step(model, batch: DecodeBatch, mask_id: int):
-    params, tokens = batch.params, batch.tokens
+@dataclass
+class LosslessState:
+    draft_rank: torch.Tensor   # long: the position's rank among the carried drafts; -1 for none
+    draft_token: torch.Tensor  # long: its drafted token
+
+
+class Lossless(DecodingMethod):
+    name = "lossless"
+    Settings = LosslessSettings
+
+    def validate(self, params: SamplingParams):
+        check(0 < params.settings.draft_length <= params.block_length,
+              f"draft_length must be in [1, block_length], got {params.settings.draft_length}")
+
+    def initial_state(self, length: int, device: torch.device) -> LosslessState:
+        return LosslessState(draft_rank=torch.full((length,), -1, dtype=torch.long, device=device),
+                             draft_token=torch.zeros(length, dtype=torch.long, device=device))
+
+    def step(self, runner: ModelRunner, batch: DecodeBatch):
+        lossless_step(runner, batch)
+
+
+def lossless_step(runner: ModelRunner, batch: DecodeBatch):
+    params, tokens, mask_id, counters = batch.params, batch.tokens, batch.mask_id, batch.counters
     device, B = tokens.device, tokens.shape[0]
-    k, n, num_blocks = params.drafts, params.block_length, params.num_blocks
-    rank, draft_token = batch.position_state["draft_rank"], batch.position_state["draft_token"]
+    k, n, num_blocks = params.settings.draft_length, params.block_length, params.num_blocks
+    rank, draft_token = batch.state.draft_rank, batch.state.draft_token
 
     # the carried drafts by rank [B, k]: column, token, valid
     order = torch.where(rank >= 0, rank, k).argsort(dim=1)[:, :k]
@@ -42,19 +72,18 @@ def lossless_step(model, batch: DecodeBatch, mask_id: int):
         states.append(applied)
     state_valid = torch.cat([torch.ones(B, 1, dtype=torch.bool, device=device), draft_valid], dim=1)
     flat = torch.stack(states, dim=1)[state_valid]                                   # [S, W]
-    batch.count_query_rows([n * seq.length for n, seq in zip(state_valid.sum(dim=1).tolist(), batch.seqs)])
+    batch.count_query_rows([n * row.length for n, row in zip(state_valid.sum(dim=1).tolist(), batch.rows)])
     row = torch.arange(B, device=device)[:, None].expand(B, k + 1)[state_valid]      # request of each state
     index = torch.arange(k + 1, device=device).expand(B, k + 1)[state_valid]        # its j
 
     # logits of each state's current and next block
-    block = batch.block_index.clamp(max=num_blocks - 1)[row]
+    block = counters.block_index.clamp(max=num_blocks - 1)[row]
     offsets = block[:, None] * n + torch.arange(2 * n, device=device)
     exists = offsets < params.max_tokens
     offsets = torch.where(exists, offsets, offsets - n)                              # last block: no next
     columns = batch.gen_start + offsets
-    hidden = model.hidden_states(flat, batch.positions[row], batch.attention_mask[row])
-    logits = model.compute_logits(hidden.gather(1, columns[..., None].expand(-1, -1, hidden.shape[-1]))).float()
-    candidates, confidence = sample_tokens(logits, batch.temperature[row], batch.seed[row], batch.steps[row] + index,
+    logits = runner.full_logits(flat, batch.positions[row], batch.attention_mask[row], columns)
+    candidates, confidence = sample_tokens(logits, batch.temperature[row], batch.seed[row], counters.steps[row] + index,
                                            offsets, sample=batch.is_sampling, mask_id=mask_id)
     masked = (flat.gather(1, columns) == mask_id) & exists
     current = torch.arange(2 * n, device=device) < n
@@ -86,7 +115,7 @@ def lossless_step(model, batch: DecodeBatch, mask_id: int):
     num_accepted = accepted.sum(dim=1)
     new_tokens = candidates[source]
     if batch.is_sampling:  # each draft's token under the noise of the step it would be decided at
-        steps = batch.steps + num_accepted
+        steps = counters.steps + num_accepted
         noise = counter_uniform(batch.seed.repeat_interleave(2 * n), (steps[:, None] + draft_rank).flatten(),
                                 offsets[source].flatten()[:, None], NOISE_STREAM, logits.shape[-1])[:, 0]
         scores = logits[source].double().flatten(0, 1) - (
@@ -98,8 +127,8 @@ def lossless_step(model, batch: DecodeBatch, mask_id: int):
     rank[requests[chosen], columns[source][chosen]] = draft_rank[chosen]
     draft_token[requests[chosen], columns[source][chosen]] = new_tokens[chosen]
 
-    batch.steps += num_accepted
-    batch.nfe += 1
+    counters.steps += num_accepted
+    counters.nfe += 1
     still_masked = tokens[:, batch.gen_start:].view(B, num_blocks, n) == mask_id
     blocks = torch.arange(num_blocks, device=device)
-    batch.block_index = torch.where(still_masked.any(dim=2), blocks, num_blocks).amin(dim=1)
+    counters.block_index = torch.where(still_masked.any(dim=2), blocks, num_blocks).amin(dim=1)

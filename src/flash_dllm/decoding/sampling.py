@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cache.block_table import device_tensor
+from ..cache.attention_metadata import device_tensor
 
 _MASK64 = (1 << 64) - 1
 

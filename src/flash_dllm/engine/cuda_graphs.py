@@ -18,8 +18,7 @@ from collections import OrderedDict
 import torch
 import torch.nn.functional as F
 
-from ..cache.block_table import BlockTable
-from ..cache.kv_cache import KVCache
+from ..cache.attention_metadata import AttentionMetadata
 
 CAPTURE_AFTER = 3  # eager sightings of a shape before it is captured
 # Beyond this many query rows a pass is GPU-bound (its launches overlap its kernels), and a capture would
@@ -34,40 +33,41 @@ def bucket(rows: int) -> int:
     return -(-rows // granule) * granule
 
 
-def pad_verify_pass(input_ids, positions, table: BlockTable):
+def pad_verify_pass(input_ids, positions, metadata: AttentionMetadata):
     """A pass that does not write the cache, with rows appended after the last request's (cu_seqlens_q[-1]:
     they belong to no request, so no row attends to them and the attention kernel skips them; their outputs
     are dropped) and max_q, self_visibility padded to a bucket too."""
-    extra, extra_q = bucket(input_ids.shape[0]) - input_ids.shape[0], bucket(table.max_q) - table.max_q
+    extra, extra_q = bucket(input_ids.shape[0]) - input_ids.shape[0], bucket(metadata.max_q) - metadata.max_q
     pad_rows = lambda t: F.pad(t, (0, extra))
-    visibility = table.self_visibility
+    visibility = metadata.self_visibility
     if visibility is not None:
         visibility = F.pad(visibility, (0, extra_q, 0, extra_q))
     return pad_rows(input_ids), pad_rows(positions), dataclasses.replace(
-        table, slot_mapping=pad_rows(table.slot_mapping), max_q=table.max_q + extra_q, self_visibility=visibility,
-        track_rows=None if table.track_rows is None else pad_rows(table.track_rows))
+        metadata, slot_mapping=pad_rows(metadata.slot_mapping), max_q=metadata.max_q + extra_q,
+        self_visibility=visibility, track_rows=None if metadata.track_rows is None else pad_rows(metadata.track_rows))
 
 
-def _table_tensors(table: BlockTable) -> dict[str, torch.Tensor]:
-    return {f.name: getattr(table, f.name) for f in dataclasses.fields(table)
-            if isinstance(getattr(table, f.name), torch.Tensor)}
+def _metadata_tensors(metadata: AttentionMetadata) -> dict[str, torch.Tensor]:
+    return {f.name: getattr(metadata, f.name) for f in dataclasses.fields(metadata)
+            if isinstance(getattr(metadata, f.name), torch.Tensor)}
 
 
-def signature(input_ids: torch.Tensor, table: BlockTable, key_mass: torch.Tensor | None) -> tuple:
-    """Everything a captured pass is specialised on: tensor shapes and dtypes, and the table's host values."""
-    tensors = tuple((name, tuple(t.shape), t.dtype) for name, t in _table_tensors(table).items())
-    return (input_ids.shape[0], table.max_q, table.max_kv, table.write_cache, tensors,
+def signature(input_ids: torch.Tensor, metadata: AttentionMetadata, key_mass: torch.Tensor | None) -> tuple:
+    """Everything a captured pass is specialised on: tensor shapes and dtypes, and the metadata's host values."""
+    tensors = tuple((name, tuple(t.shape), t.dtype) for name, t in _metadata_tensors(metadata).items())
+    return (input_ids.shape[0], metadata.max_q, metadata.max_kv, metadata.write_cache, tensors,
             None if key_mass is None else tuple(key_mass.shape))
 
 
 class _CapturedPass:
-    """One captured forward_cached: the static tensors it reads and writes, and its graph."""
+    """One captured pass: the static tensors it reads and writes, and its graph."""
 
-    def __init__(self, model, input_ids, positions, table: BlockTable, cache: KVCache, key_mass, pool, stream):
+    def __init__(self, forward, input_ids, positions, metadata: AttentionMetadata, key_mass, pool, stream):
         self.input_ids, self.positions = input_ids.clone(), positions.clone()
-        self.table = dataclasses.replace(table, **{name: t.clone() for name, t in _table_tensors(table).items()})
+        self.metadata = dataclasses.replace(metadata, **{name: t.clone()
+                                                         for name, t in _metadata_tensors(metadata).items()})
         self.key_mass = None if key_mass is None else key_mass.clone()
-        run = lambda: model.forward_cached(self.input_ids, self.positions, self.table, cache, self.key_mass)
+        run = lambda: forward(self.input_ids, self.positions, self.metadata, self.key_mass)
         # Warm up before capturing (cuBLAS workspaces, lazily built tensors). It writes the same cache rows
         # with the same values as the pass itself will, and key_mass is reloaded before every replay.
         # (torch.cuda.graph() would also run gc.collect() and empty the allocator's cache at every capture.)
@@ -82,11 +82,11 @@ class _CapturedPass:
                 self.graph.capture_end()
         torch.cuda.current_stream().wait_stream(stream)
 
-    def replay(self, input_ids, positions, table: BlockTable, key_mass) -> torch.Tensor:
+    def replay(self, input_ids, positions, metadata: AttentionMetadata, key_mass) -> torch.Tensor:
         self.input_ids.copy_(input_ids)
         self.positions.copy_(positions)
-        static = _table_tensors(self.table)
-        for name, t in _table_tensors(table).items():
+        static = _metadata_tensors(self.metadata)
+        for name, t in _metadata_tensors(metadata).items():
             static[name].copy_(t)
         if key_mass is not None:
             self.key_mass.copy_(key_mass)
@@ -96,32 +96,26 @@ class _CapturedPass:
         return self.output.clone()  # the next replay overwrites the static output
 
 
-class GraphedModel:
-    """The model, with `forward_cached` on one KV cache replayed from CUDA graphs for shapes that repeat
-    (at most `max_graphs`, least recently used dropped first); every other attribute is the model's."""
+class CudaGraphs:
+    """A cached forward pass `forward(input_ids, positions, metadata, key_mass) -> hidden`, bound to one KV
+    cache, replayed from CUDA graphs for shapes that repeat (at most `max_graphs`, least recently used
+    dropped first)."""
 
-    def __init__(self, model, cache: KVCache, max_graphs: int = 16):
-        if not model.use_kernels:
-            raise ValueError("CUDA graphs need the Triton kernel path (the references synchronise with the host)")
-        self.model, self.cache, self.max_graphs = model, cache, max_graphs
+    def __init__(self, forward, max_graphs: int = 16):
+        self.forward, self.max_graphs = forward, max_graphs
         self.passes: OrderedDict[tuple, _CapturedPass] = OrderedDict()
         self.sightings: dict[tuple, int] = {}  # eager runs of each shape not captured
         self.pool = None    # one memory pool for all graphs: they never run at the same time
         self.stream = None  # captures run off the default stream, on this one (made at the first)
         self.captures = self.replays = 0
 
-    def __getattr__(self, name):  # only called for names not found on the wrapper
-        return getattr(self.model, name)
-
-    def forward_cached(self, input_ids: torch.Tensor, positions: torch.Tensor, table: BlockTable, cache: KVCache,
-                       key_mass: torch.Tensor | None = None) -> torch.Tensor:
-        if cache is not self.cache:
-            raise ValueError("this GraphedModel's graphs write another KV cache")
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+            key_mass: torch.Tensor | None = None) -> torch.Tensor:
         rows = input_ids.shape[0]
-        graph_inputs = ((input_ids, positions, table) if table.write_cache
-                        else pad_verify_pass(input_ids, positions, table))
+        graph_inputs = ((input_ids, positions, metadata) if metadata.write_cache
+                        else pad_verify_pass(input_ids, positions, metadata))
         if graph_inputs[0].shape[0] > MAX_GRAPH_ROWS:
-            return self.model.forward_cached(input_ids, positions, table, cache, key_mass)
+            return self.forward(input_ids, positions, metadata, key_mass)
         key = signature(graph_inputs[0], graph_inputs[2], key_mass)
         captured = self.passes.get(key)
         if captured is None:
@@ -129,7 +123,7 @@ class GraphedModel:
                 if len(self.sightings) > 1024:  # many one-off shapes: forget them
                     self.sightings.clear()
                 self.sightings[key] = self.sightings.get(key, 0) + 1
-                return self.model.forward_cached(input_ids, positions, table, cache, key_mass)
+                return self.forward(input_ids, positions, metadata, key_mass)
             del self.sightings[key]
             captured = self.passes[key] = self._capture(*graph_inputs, key_mass)
             self.captures += 1
@@ -139,9 +133,8 @@ class GraphedModel:
         self.replays += 1
         return captured.replay(*graph_inputs, key_mass)[:rows]
 
-    def _capture(self, input_ids, positions, table: BlockTable, key_mass) -> _CapturedPass:
+    def _capture(self, input_ids, positions, metadata: AttentionMetadata, key_mass) -> _CapturedPass:
         self.stream = self.stream or torch.cuda.Stream(input_ids.device)
-        captured = _CapturedPass(self.model, input_ids, positions, table, self.cache, key_mass, self.pool,
-                                 self.stream)
+        captured = _CapturedPass(self.forward, input_ids, positions, metadata, key_mass, self.pool, self.stream)
         self.pool = captured.graph.pool()
         return captured

@@ -5,8 +5,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
+from ..batch import RowState
 from ..sampling_params import SamplingParams
 
 
@@ -22,20 +21,13 @@ class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
     status: SequenceStatus = SequenceStatus.WAITING
-    # Device state while the sequence sits outside a batch (between admissions): its tokens without
-    # padding [P + G] and its counters [block_index, step_in_block, steps, nfe].
-    tokens: torch.Tensor | None = None
-    counters: torch.Tensor | None = None
-    position_state: dict[str, torch.Tensor] = field(default_factory=dict)  # method state per position [P + G]
-    # Host copies of the block phase, refreshed at the engine's one sync per step.
-    block_index: int = 0
-    step_in_block: int = 0
-    cache_base: int | None = None  # first row of the sequence's range in the KV cache
-    query_rows: int = 0  # query rows computed for this sequence over all its forward passes
+    cache_base: int | None = None  # first row of the sequence's range in the KV cache, once admitted
+    row: RowState | None = None    # its decoding state while running (in the batch, or between batches)
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     steps: int = 0
     nfe: int = 0
+    query_rows: int = 0  # query rows computed for this sequence over all its forward passes
     start_time: float | None = None
     finish_time: float | None = None
 
@@ -52,6 +44,7 @@ class Sequence:
         self.output_ids, self.steps, self.nfe = output_ids, steps, nfe
         self.finish_reason = reason
         self.status = SequenceStatus.FINISHED
-        self.tokens = self.counters = self.cache_base = None
-        self.position_state = {}
+        if self.row is not None:
+            self.query_rows = self.row.query_rows
+        self.row = self.cache_base = None
         self.finish_time = time.perf_counter()

@@ -13,7 +13,7 @@ import weakref
 
 import torch
 
-from ..cache.block_table import BlockTable, cu_seqlens
+from ..cache.attention_metadata import AttentionMetadata, FlatRows
 from ..cache.kv_cache import KVCache
 
 # One row count per tile-size class of the kernels' launch configurations (by total and per-request rows),
@@ -28,8 +28,8 @@ _compiled: weakref.WeakSet = weakref.WeakSet()  # models whose variants are comp
 def compile_kernels(model, cache: KVCache, row_counts: tuple[int, ...] = ROW_COUNTS,
                     request_counts: tuple[int, ...] = REQUEST_COUNTS):
     """Run the three kinds of cached pass (cache write; with tracked rows; verify, which writes no cache)
-    for each number of requests and rows per request, on the first cache rows (shared by the requests).
-    Call before any sequence holds cache rows."""
+    through the kernels for each number of requests and rows per request, on the first cache rows (shared by
+    the requests). Call before any sequence holds cache rows."""
     if model in _compiled:
         return
     device = cache.k[0].device
@@ -40,13 +40,13 @@ def compile_kernels(model, cache: KVCache, row_counts: tuple[int, ...] = ROW_COU
         n = rows * requests
         ids = zeros(n, dtype=torch.long)
         positions = torch.arange(rows, device=device).repeat(requests)
-        shape = dict(cu_seqlens_q=cu_seqlens([rows] * requests, device), kv_start=zeros(requests, dtype=torch.long),
-                     kv_len=torch.full((requests,), rows, device=device), slot_mapping=positions, max_q=rows,
-                     max_kv=rows)
-        model.forward_cached(ids, positions, BlockTable(**shape), cache)
-        tracked = BlockTable(**shape, track_rows=torch.ones(n, dtype=torch.bool, device=device))
-        model.forward_cached(ids, positions, tracked, cache, key_mass=zeros(requests, rows))
-        verify = BlockTable(**shape, write_cache=False, hidden_keys=zeros(requests, rows, dtype=torch.bool),
-                            self_visibility=torch.ones(requests, rows, rows, dtype=torch.bool, device=device))
-        model.forward_cached(ids, positions, verify, cache)
+        shape = lambda **options: AttentionMetadata.build(
+            FlatRows.from_counts([rows] * requests, device), zeros(requests, dtype=torch.long),
+            torch.full((requests,), rows, device=device), positions, rows, **options)
+        model.forward_cached(ids, positions, shape(), cache, kernels=True)
+        tracked = shape(track_rows=torch.ones(n, dtype=torch.bool, device=device))
+        model.forward_cached(ids, positions, tracked, cache, key_mass=zeros(requests, rows), kernels=True)
+        verify = shape(write_cache=False, hidden_keys=zeros(requests, rows, dtype=torch.bool),
+                       self_visibility=torch.ones(requests, rows, rows, dtype=torch.bool, device=device))
+        model.forward_cached(ids, positions, verify, cache, kernels=True)
     _compiled.add(model)

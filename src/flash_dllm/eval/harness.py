@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..sampling_params import SamplingParams
@@ -75,7 +75,7 @@ def summarize(records: list[dict], gen_time: float, *, params: SamplingParams, *
             "tokens_per_s": tokens / gen_time if gen_time > 0 else 0.0,
             "tokens_per_step": tokens / max(sum(r["steps"] for r in records), 1),
             "nfe": sum(r["nfe"] for r in records) / n, "steps": sum(r["steps"] for r in records) / n,
-            "num_tokens": tokens, "generation_time_s": gen_time, "sampling": asdict(params)}
+            "num_tokens": tokens, "generation_time_s": gen_time, "sampling": params.to_dict()}
 
 
 def summary_path(output: str | Path) -> Path:

@@ -23,7 +23,7 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
 from ..llm import LLM
-from ..sampling_params import SamplingParams
+from ..sampling_params import SamplingParams, knobs
 from .scoring import truncate
 
 DEFAULT_BATCH_SIZE = 32
@@ -35,11 +35,11 @@ class FlashDLLM(LM):
     def __init__(self, pretrained: str | None = None, device: str | None = None, dtype: str | None = None,
                  batch_size: int | str | None = None, max_batch_size: int | None = None, **sampling):
         super().__init__()  # max_batch_size: lm-eval's cap for its automatic batch search, unused here
-        fields = {f.name for f in dataclasses.fields(SamplingParams)}
+        fields = {"method", "max_tokens", "block_length", "temperature", "seed", *knobs()}
         unknown = sorted(set(sampling) - fields)
         if unknown:
             raise ValueError(f"unknown model_args {', '.join(unknown)}; flash_dllm takes pretrained, device, dtype, "
-                             f"batch_size and the SamplingParams fields: {', '.join(sorted(fields))}")
+                             f"batch_size, the SamplingParams fields and the methods' knobs: {', '.join(sorted(fields))}")
         self.params = SamplingParams(**{"max_tokens": DEFAULT_MAX_TOKENS, **sampling})
         # lm-eval's "auto" batch size means "as large as fits": the engine's batch is fixed, use the default
         batch = int(batch_size) if str(batch_size).isdigit() else DEFAULT_BATCH_SIZE

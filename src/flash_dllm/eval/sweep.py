@@ -2,24 +2,16 @@
 plot (PNG) and a markdown table."""
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..sampling_params import _METHOD_ONLY, SamplingParams
+from ..markdown import markdown_table
+from ..sampling_params import SamplingParams, knobs
 from .distributed import DistContext
 from .harness import evaluate, write_result
-
-# The knobs a sweep can vary: the method-specific SamplingParams fields, with their value types.
-_TYPES = {"int": int, "float": float}
-KNOBS = {f.name: _TYPES.get(f.type.split("|")[0].strip(), str)
-         for f in dataclasses.fields(SamplingParams) if f.name in _METHOD_ONLY}
-# Short names for point labels (the paper's symbols where it has them).
-SHORT = {"threshold": "thr", "tracking_budget": "beta_t", "mask_window": "beta_m", "verify_threshold": "gamma",
-         "refresh_interval": "k", "acceptance": "acc", "draft_length": "draft"}
 
 
 @dataclass(frozen=True)
@@ -28,17 +20,17 @@ class SweepPoint:
     params: SamplingParams
 
 
-def grid(methods: list[str], knobs: dict[str, list], **common) -> list[SweepPoint]:
+def grid(methods: list[str], knob_values: dict[str, list], **common) -> list[SweepPoint]:
     """Each method with every combination of the given knob values that it reads (a knob that a method does
     not read is not varied for it); `threshold` and `factor` are alternative forms of one acceptance rule,
     so their values form a single axis. `common` (max_tokens, block_length, ...) goes to every point."""
-    points = []
+    points, known = [], knobs()
     for method in methods:
-        reads = {name: values for name, values in knobs.items() if values and method in _METHOD_ONLY[name]}
+        reads = {name: values for name, values in knob_values.items() if values and method in known[name].defaults}
         rule = [("threshold", v) for v in reads.pop("threshold", [])] + [("factor", v) for v in reads.pop("factor", [])]
         axes = ([rule] if rule else []) + [[(name, v) for v in values] for name, values in reads.items()]
         for combo in itertools.product(*axes):
-            label = " ".join([method] + [f"{SHORT.get(name, name)}={value}" for name, value in combo])
+            label = " ".join([method] + [f"{known[name].symbol or name}={value}" for name, value in combo])
             points.append(SweepPoint(label, SamplingParams(method=method, **common, **dict(combo))))
     return points
 
@@ -65,7 +57,7 @@ def run_sweep(llm, task: str, points: list[SweepPoint], out_dir: str | Path, *, 
         row["pareto"] = on_front
     if ctx.is_main:
         (out_dir / "sweep.json").write_text(json.dumps(rows, indent=2) + "\n")
-        (out_dir / "sweep.md").write_text(markdown_table(rows))
+        (out_dir / "sweep.md").write_text(sweep_table(rows))
         plot(rows, out_dir / "sweep.png", title=f"{task}: accuracy vs throughput ({rows[0]['num_items']} items)")
     return rows
 
@@ -79,13 +71,11 @@ def _by_speed(rows: list[dict]) -> list[dict]:
     return sorted(rows, key=lambda r: -r["tokens_per_s"])
 
 
-def markdown_table(rows: list[dict]) -> str:
-    lines = ["| method and knobs | # | accuracy % | tokens/s | tokens/step | NFE | Pareto |",
-             "|---|---|---|---|---|---|---|"]
-    for number, row in enumerate(_by_speed(rows), 1):
-        lines.append(f"| {row['label']} | {number} | {100 * row['accuracy']:.1f} | {row['tokens_per_s']:.1f} | "
-                     f"{row['tokens_per_step']:.2f} | {row['nfe']:.1f} | {'yes' if row['pareto'] else ''} |")
-    return "\n".join(lines) + "\n"
+def sweep_table(rows: list[dict]) -> str:
+    header = ("method and knobs", "#", "accuracy %", "tokens/s", "tokens/step", "NFE", "Pareto")
+    return markdown_table(header, [(row["label"], number, f"{100 * row['accuracy']:.1f}", f"{row['tokens_per_s']:.1f}",
+                                    f"{row['tokens_per_step']:.2f}", f"{row['nfe']:.1f}", "yes" if row["pareto"] else "")
+                                   for number, row in enumerate(_by_speed(rows), 1)]) + "\n"
 
 
 def plot(rows: list[dict], path: str | Path, title: str):

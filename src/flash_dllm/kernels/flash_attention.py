@@ -1,4 +1,4 @@
-"""Scheduled flash attention over the block table (Triton); its reference is attention.ragged_attention_ref.
+"""Scheduled flash attention over the block metadata (Triton); its reference is attention.ragged_attention_ref.
 
 One launch for the whole batch: program (request, query tile, head) runs an online softmax in fp32 over the
 request's cache range [kv_start, kv_start + kv_len), then, in a pass that does not write the cache, over the
@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from ..cache.block_table import BlockTable
+from ..cache.attention_metadata import AttentionMetadata
 
 try:
     import triton
@@ -33,15 +33,15 @@ def launch_config(max_q: int, verify: bool = False, num_seqs: int = 1) -> dict:
     return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
 
 
-def flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: BlockTable,
+def flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
                     key_mass: torch.Tensor | None = None, k_new: torch.Tensor | None = None,
                     v_new: torch.Tensor | None = None) -> torch.Tensor:
     """q [N, H, D]; k_cache, v_cache [rows, Hkv, D] -> out [N, H, D] in q's dtype; a drop-in for
     ragged_attention_ref (same arguments, same result).
 
-    key_mass [B, max_kv] fp32 (needs table.track_rows): += the softmax probability each cache key receives,
-    summed over heads and tracked rows. k_new, v_new [N, Hkv, D] (with table.self_visibility): the rows also
-    attend to the pass's own keys, and table.hidden_keys hides cache keys. A row that sees no key gets 0.
+    key_mass [B, max_kv] fp32 (needs metadata.track_rows): += the softmax probability each cache key receives,
+    summed over heads and tracked rows. k_new, v_new [N, Hkv, D] (with metadata.self_visibility): the rows also
+    attend to the pass's own keys, and metadata.hidden_keys hides cache keys. A row that sees no key gets 0.
     """
     if triton is None:
         raise RuntimeError("flash_attention needs triton; use ragged_attention_ref")
@@ -49,7 +49,7 @@ def flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         raise ValueError("key_mass is accumulated over cache keys only; the verify pass (k_new) tracks none")
     N, H, D = q.shape
     group = H // k_cache.shape[1]
-    has_new, hidden, track = k_new is not None, table.hidden_keys, key_mass is not None
+    has_new, hidden, track = k_new is not None, metadata.hidden_keys, key_mass is not None
     # A verify pass may end in padding rows that belong to no request (cuda_graphs.pad_verify_pass): no
     # program visits them, so they must start at 0.
     out = torch.zeros_like(q) if has_new else torch.empty_like(q)
@@ -58,22 +58,22 @@ def flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     assert q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1
     # Dummy pointers for the disabled features; their constexpr flags keep them unread.
     k_new, v_new = (k_new, v_new) if has_new else (k_cache, v_cache)
-    visibility = table.self_visibility.contiguous().view(torch.uint8) if has_new else q
+    visibility = metadata.self_visibility.contiguous().view(torch.uint8) if has_new else q
     hidden = hidden.contiguous().view(torch.uint8) if hidden is not None else q
-    track_rows = table.track_rows.contiguous().view(torch.uint8) if track else q
-    config = launch_config(table.max_q, verify=has_new, num_seqs=table.num_seqs)
-    grid = (table.num_seqs, triton.cdiv(table.max_q, config["BLOCK_M"]), H)
+    track_rows = metadata.track_rows.contiguous().view(torch.uint8) if track else q
+    config = launch_config(metadata.max_q, verify=has_new, num_seqs=metadata.num_seqs)
+    grid = (metadata.num_seqs, triton.cdiv(metadata.max_q, config["BLOCK_M"]), H)
     # Atomics would add the partial masses in a different order every run, and a near-tie in the tracked
     # set could then flip a token; partial rows summed after the launch give the same mass every time.
-    partial = torch.zeros(table.num_seqs, grid[1] * H, table.max_kv, device=q.device) if track else out
+    partial = torch.zeros(metadata.num_seqs, grid[1] * H, metadata.max_kv, device=q.device) if track else out
     _flash_attention_kernel[grid](
         q, k_cache, v_cache, out, k_new, v_new,
-        table.cu_seqlens_q, table.kv_start, table.kv_len, hidden, visibility, track_rows, partial,
+        metadata.cu_seqlens_q, metadata.kv_start, metadata.kv_len, hidden, visibility, track_rows, partial,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         hidden.stride(0), visibility.stride(0), visibility.stride(1), partial.stride(0), partial.stride(1),
         D ** -0.5, D,
-        GROUP=group, HAS_HIDDEN=table.hidden_keys is not None, HAS_NEW=has_new, TRACK=track,
+        GROUP=group, HAS_HIDDEN=metadata.hidden_keys is not None, HAS_NEW=has_new, TRACK=track,
         BLOCK_D=max(16, triton.next_power_of_2(D)),
         DOT_FP32=q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1", **config)
     if track:

@@ -1,5 +1,6 @@
-"""Checkpoint I/O: stream Hugging Face safetensors (sharded or single) into a model, save in the same
-format, or fill a model of a named configuration with random weights directly on its device."""
+"""Checkpoint I/O: the architecture registry (config.json's model_type -> its DiffusionLM class), stream
+Hugging Face safetensors (sharded or single) into a model, save in the same format, or fill a model of a
+named configuration with random weights directly on its device."""
 from __future__ import annotations
 
 import json
@@ -8,32 +9,47 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
-from torch import nn
 
-from ..config import PRESETS, ModelConfig
-from .llada import LLaDAModel, RMSNorm
+from ..config import PRESETS, ModelConfig, read_config_json
+from .base import DiffusionLM
+from .layers import RMSNorm
+from .llada import LLaDAModel
 
-MODEL_CLASSES: dict[str, type[nn.Module]] = {"llada": LLaDAModel}
+# One entry per architecture: config.json's model_type -> its class (which parses that config.json).
+ARCHITECTURES: dict[str, type[DiffusionLM]] = {cls.model_type: cls for cls in (LLaDAModel,)}
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
 
-def build_model(cfg: ModelConfig, device: str | torch.device, dtype: torch.dtype) -> nn.Module:
+def parse_config(hf_config: dict) -> ModelConfig:
+    """A config.json's contents, by the parser of its model_type."""
+    model_type = hf_config.get("model_type")
+    if model_type not in ARCHITECTURES:
+        raise ValueError(f"config.json: model_type {model_type!r} is not supported "
+                         f"(supported: {', '.join(map(repr, ARCHITECTURES))})")
+    return ARCHITECTURES[model_type].parse_config(hf_config)
+
+
+def config_from_dir(path: str | Path) -> ModelConfig:
+    return parse_config(read_config_json(path))
+
+
+def build_model(cfg: ModelConfig, device: str | torch.device, dtype: torch.dtype) -> DiffusionLM:
     """An uninitialised model, allocated once, directly on `device` in `dtype`."""
     with torch.device("meta"):
-        model = MODEL_CLASSES[cfg.architecture](cfg)
+        model = ARCHITECTURES[cfg.architecture](cfg)
     model = model.to(dtype=dtype).to_empty(device=device)
     return model.eval().requires_grad_(False)
 
 
-def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
+def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> DiffusionLM:
     """Load a checkpoint directory (config.json + safetensors) without remote code or downloads.
 
     Tensors are read one at a time from each shard straight to `device` and cast into the
     pre-allocated parameters, so host memory never holds a second copy of the model.
     """
     path = Path(path)
-    cfg = ModelConfig.from_dir(path)
+    cfg = config_from_dir(path)
     files = weight_files(path)
     model = build_model(cfg, device, dtype)
     load_weights(model, files, device)
@@ -57,7 +73,7 @@ def weight_files(path: Path) -> list[Path]:
     raise FileNotFoundError(f"{path}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors checkpoints are supported)")
 
 
-def load_weights(model: nn.Module, files: list[Path], device: str | torch.device):
+def load_weights(model: DiffusionLM, files: list[Path], device: str | torch.device):
     layout = model.checkpoint_layout()
     params = dict(model.named_parameters())
     loaded: dict[str, Path] = {}
@@ -92,14 +108,14 @@ def load_weights(model: nn.Module, files: list[Path], device: str | torch.device
 def random_config(spec: str) -> ModelConfig:
     """The configuration named by `random:SPEC`: a preset (see config.PRESETS) or a directory with a config.json."""
     if spec in PRESETS:
-        return ModelConfig.from_hf_dict(PRESETS[spec])
+        return parse_config(PRESETS[spec])
     if Path(spec).is_dir():
-        return ModelConfig.from_dir(spec)
+        return config_from_dir(spec)
     raise ValueError(f"random:{spec}: not a preset ({', '.join(PRESETS)}) or a directory with config.json")
 
 
 def random_model(spec: str, device: str | torch.device, dtype: torch.dtype, seed: int = 0,
-                 std: float = 0.02) -> nn.Module:
+                 std: float = 0.02) -> DiffusionLM:
     """A model with random weights of `random_config(spec)`, drawn directly on `device`."""
     model = build_model(random_config(spec), device, dtype)
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -114,7 +130,7 @@ def random_model(spec: str, device: str | torch.device, dtype: torch.dtype, seed
     return model
 
 
-def save_checkpoint(model: nn.Module, path: str | Path, hf_config: dict, num_shards: int = 1,
+def save_checkpoint(model: DiffusionLM, path: str | Path, hf_config: dict, num_shards: int = 1,
                     dtype: torch.dtype | None = None):
     """Write `model` as a Hugging Face checkpoint directory: config.json plus one model.safetensors or
     `num_shards` shards with an index, under the checkpoint's own tensor names."""

@@ -1,5 +1,5 @@
-"""One step's schedule for the cached forward: which query rows belong to which request and which KV
-rows each request attends to."""
+"""One cached pass's attention schedule: which query rows belong to which request, where each row's K/V
+goes in the cache and which cache rows each request attends to."""
 from __future__ import annotations
 
 import itertools
@@ -19,17 +19,31 @@ def cu_seqlens(counts: list[int], device) -> torch.Tensor:
     return device_tensor([0, *itertools.accumulate(counts)], device)
 
 
-def flat_rows(counts: list[int], cu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each flat row's request and rank within it, from the host counts and cu = cu_seqlens(counts): a
-    gather by these needs no host sync, where boolean indexing would wait for the GPU."""
-    device, num_rows = cu.device, sum(counts)
-    request = torch.repeat_interleave(torch.arange(len(counts), device=device), device_tensor(counts, device),
-                                      output_size=num_rows)
-    return request, torch.arange(num_rows, device=device) - cu[request]
+@dataclass
+class FlatRows:
+    """A pass's query rows, flat and grouped by request, from per-request row counts known on the host:
+    each row's request and rank within it, gathered without a host sync (boolean indexing would wait for
+    the GPU)."""
+
+    counts: list[int]
+    cu_seqlens: torch.Tensor  # [B + 1]
+    request: torch.Tensor     # [N]
+    rank: torch.Tensor        # [N]
+
+    @classmethod
+    def from_counts(cls, counts: list[int], device) -> FlatRows:
+        cu, num_rows = cu_seqlens(counts, device), sum(counts)
+        request = torch.repeat_interleave(torch.arange(len(counts), device=device), device_tensor(counts, device),
+                                          output_size=num_rows)
+        return cls(counts, cu, request, torch.arange(num_rows, device=device) - cu[request])
+
+    @property
+    def num_rows(self) -> int:
+        return sum(self.counts)
 
 
 @dataclass
-class BlockTable:
+class AttentionMetadata:
     """Query rows are flat [N], grouped by request: group b is rows cu_seqlens_q[b]:cu_seqlens_q[b+1].
     Every query row first writes its K/V to cache row slot_mapping[row]; then group b attends to cache
     rows [kv_start[b], kv_start[b] + kv_len[b]) (its whole sequence, bidirectionally).
@@ -57,3 +71,12 @@ class BlockTable:
     @property
     def num_seqs(self) -> int:
         return self.kv_start.shape[0]
+
+    @classmethod
+    def build(cls, rows: FlatRows, kv_start: torch.Tensor, kv_len: torch.Tensor, positions: torch.Tensor,
+              max_kv: int, **options) -> AttentionMetadata:
+        """Request b's rows attend to its kv_len[b] cache rows from kv_start[b]; each row's K/V slot is
+        kv_start + its position [N]. `options`: track_rows, write_cache, hidden_keys, self_visibility."""
+        return cls(cu_seqlens_q=rows.cu_seqlens, kv_start=kv_start, kv_len=kv_len,
+                   slot_mapping=kv_start[rows.request] + positions, max_q=max(rows.counts), max_kv=max_kv,
+                   **options)

@@ -1,0 +1,79 @@
+"""The protocol of a decoding method, and the base of its settings.
+
+A method is one module in decoding/ with a `DecodingMethod` subclass and one entry in registry.py. It
+declares its settings (a frozen dataclass of knobs, each with its default and help: SamplingParams, the CLI
+flags and the sweep knobs are derived from them), its per-position state (a dataclass of tensors that the
+engine keeps aligned with each sequence's tokens) and its `step`, which advances every row of a batch by one
+iteration through the model runner.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+if TYPE_CHECKING:  # types only: the engine imports decoding/, never the other way round
+    from ..batch import DecodeBatch
+    from ..engine.model_runner import ModelRunner
+    from ..sampling_params import SamplingParams
+
+
+def knob(default: Any, help: str, *, symbol: str | None = None, choices: tuple | None = None):
+    """A settings field: its default, a help line for the CLI, the paper's symbol for sweep labels and the
+    allowed values of a string knob."""
+    return field(default=default, metadata={"help": help, "symbol": symbol, "choices": choices})
+
+
+@dataclass(frozen=True)
+class Settings:
+    """A method's knobs. Subclasses add fields made with `knob` and check their ranges in __post_init__."""
+
+    # Knobs whose values may differ between the rows of one batch (e.g. a confidence threshold is a [B]
+    # tensor); the batch key only records whether they are set.
+    per_row: ClassVar[tuple[str, ...]] = ()
+    # Pairs of knobs that are alternatives (one replaces the other's rule): giving both is an error.
+    exclusive: ClassVar[tuple[tuple[str, str], ...]] = ()
+
+    def batch_key(self) -> tuple:
+        return tuple((f.name, getattr(self, f.name) is None) if f.name in self.per_row
+                     else (f.name, getattr(self, f.name)) for f in dataclasses.fields(self))
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            value = getattr(self, f.name)
+            if choices and value not in choices:
+                raise ValueError(f"{f.name} must be one of {choices}, got {value!r}")
+
+
+def check(condition: bool, message: str):
+    if not condition:
+        raise ValueError(message)
+
+
+class DecodingMethod:
+    """One decoding method. Subclasses set `name` and `Settings`, and implement `step`."""
+
+    name: ClassVar[str]
+    Settings: ClassVar[type[Settings]] = Settings
+    uses_cache: ClassVar[bool] = False            # needs KV-cache rows per sequence
+    caches_hidden_states: ClassVar[bool] = False  # the cache also keeps each layer's input hidden states
+    uses_blocks: ClassVar[bool] = True            # decodes block by block (max_tokens a multiple of block_length)
+    published_block_length: ClassVar[int] = 32    # the block length of its paper's setting (bench step's default)
+    # `flash-dllm demo`'s rows: label -> settings (default: one row, the method's defaults).
+    demo_variants: ClassVar[dict[str, dict] | None] = None
+
+    def validate(self, params: SamplingParams):
+        """Checks across the common fields and the settings (ranges of single knobs are the settings')."""
+
+    def initial_state(self, length: int, device: torch.device) -> Any:
+        """The method's per-position state for a new sequence of `length` positions: a dataclass of [length]
+        tensors, or None."""
+        return None
+
+    def step(self, runner: ModelRunner, batch: DecodeBatch):
+        """One iteration for every row: forward passes through `runner`, tokens unmasked in batch.tokens,
+        batch.counters advanced."""
+        raise NotImplementedError

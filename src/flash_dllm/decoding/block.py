@@ -1,0 +1,67 @@
+"""The iteration of the methods that decode block by block: logits for each row's current block, candidate
+tokens and confidences, the method's unmasking rule, then the block phase advances. Rows advance together
+in tensor ops; the only host inputs are the per-row block phase, read at the engine's one sync per step."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .base import DecodingMethod
+from .sampling import sample_tokens
+
+if TYPE_CHECKING:
+    from ..batch import DecodeBatch
+    from ..engine.model_runner import ModelRunner
+
+
+def block_columns(batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's current block: offsets within the generated region and columns within the row, [B, n]."""
+    n = batch.params.block_length
+    offsets = batch.counters.block_index[:, None] * n + torch.arange(n, device=batch.tokens.device)
+    return offsets, batch.gen_start + offsets
+
+
+class BlockMethod(DecodingMethod):
+    """Subclasses give the block's logits (`block_logits`) and the rule (`unmask`), or a whole `transfer`."""
+
+    def block_logits(self, runner: ModelRunner, batch: DecodeBatch, columns: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [B, n, V] of the block columns [B, n]; counts the query rows it computes."""
+        raise NotImplementedError
+
+    def unmask(self, batch: DecodeBatch, confidence: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+        """Which masked positions [B, n] to unmask, from confidence [B, n] (-inf where not masked)."""
+        raise NotImplementedError
+
+    def confidence(self, batch: DecodeBatch, offsets: torch.Tensor, confidence: torch.Tensor) -> torch.Tensor:
+        """The score the rule ranks positions by: the candidates' probability, unless the method says otherwise."""
+        return confidence
+
+    def passes_per_step(self, batch: DecodeBatch) -> int:
+        return 1
+
+    def transfer(self, runner: ModelRunner, batch: DecodeBatch, columns: torch.Tensor,
+                 offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Candidate tokens [B, n] for the block and which positions to unmask [B, n]."""
+        logits = self.block_logits(runner, batch, columns)
+        masked = batch.tokens.gather(1, columns) == batch.mask_id
+        candidates, confidence = sample_tokens(logits, batch.temperature, batch.seed, batch.counters.steps, offsets,
+                                               sample=batch.is_sampling, mask_id=batch.mask_id)
+        confidence = self.confidence(batch, offsets, confidence).masked_fill(~masked, float("-inf"))
+        return candidates, self.unmask(batch, confidence, masked)
+
+    def note_transfer(self, batch: DecodeBatch, columns: torch.Tensor, transfer: torch.Tensor):
+        """Per-position bookkeeping of what this step decoded (before the tokens change)."""
+
+    def step(self, runner: ModelRunner, batch: DecodeBatch):
+        offsets, columns = block_columns(batch)
+        candidates, transfer = self.transfer(runner, batch, columns, offsets)
+        self.note_transfer(batch, columns, transfer)
+        block = torch.where(transfer, candidates, batch.tokens.gather(1, columns))
+        batch.tokens.scatter_(1, columns, block)
+        counters = batch.counters
+        counters.nfe += self.passes_per_step(batch)
+        counters.steps += 1
+        block_done = ~(block == batch.mask_id).any(dim=1)
+        counters.block_index += block_done.long()
+        counters.step_in_block = torch.where(block_done, 0, counters.step_in_block + 1)

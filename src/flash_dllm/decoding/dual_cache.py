@@ -1,0 +1,18 @@
+"""Fast-dLLM's dual cache, with the parallel rule: a full forward at each block start (and every
+`refresh_interval` steps of a block) rewrites every position's K/V; the other steps recompute the block
+alone and read the rest of the sequence, before and after it, from the cache."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .prefix_cache import PrefixCache
+
+if TYPE_CHECKING:
+    from ..batch import RowState
+
+
+class DualCache(PrefixCache):
+    name = "dual-cache"
+
+    def reused_range(self, row: RowState, block_start: int, block_length: int) -> tuple[int, int]:
+        return block_start, block_length

@@ -1,0 +1,76 @@
+"""LLaDA's reference sampler: per block, `steps / num_blocks` denoising steps, the linear schedule of tokens
+per step (block_length spread evenly, the first block_length % steps steps get one more), the top-k
+confidence (or, remasking="random", uniformly random) masked positions of the block; a full forward every
+step, twice with classifier-free guidance (the unconditional copy has its prompt replaced by masks)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from .base import Settings, check, knob
+from .block import BlockMethod
+from .sampling import REMASK_STREAM, counter_uniform
+from .transfer import linear_schedule, transfer_top_k
+
+if TYPE_CHECKING:
+    from ..batch import DecodeBatch
+    from ..engine.model_runner import ModelRunner
+    from ..sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ReferenceSettings(Settings):
+    steps: int | None = knob(None, "total denoising steps, a multiple of the number of blocks "
+                                   "(default: max_tokens, one token per step)")
+    remasking: str = knob("low_confidence", "which masked positions a step unmasks",
+                          choices=("low_confidence", "random"))
+    cfg_scale: float = knob(0.0, "classifier-free guidance scale (0: none)")
+
+    def __post_init__(self):
+        super().__post_init__()
+        check(self.cfg_scale >= 0, f"cfg_scale must be >= 0, got {self.cfg_scale}")
+
+
+def steps_per_block(params: SamplingParams) -> int:
+    return (params.settings.steps or params.max_tokens) // params.num_blocks
+
+
+class Reference(BlockMethod):
+    name = "reference"
+    Settings = ReferenceSettings
+
+    def validate(self, params: SamplingParams):
+        steps = params.settings.steps
+        if steps is not None:
+            check(steps > 0 and steps % params.num_blocks == 0,
+                  f"steps ({steps}) must be a positive multiple of the number of blocks "
+                  f"({params.num_blocks} = max_tokens / block_length)")
+
+    def passes_per_step(self, batch: DecodeBatch) -> int:
+        return 2 if batch.params.settings.cfg_scale > 0 else 1
+
+    def block_logits(self, runner: ModelRunner, batch: DecodeBatch, columns: torch.Tensor) -> torch.Tensor:
+        tokens, attention_mask, positions = batch.tokens, batch.attention_mask, batch.positions
+        guidance = batch.params.settings.cfg_scale
+        batch.count_query_rows([row.length * self.passes_per_step(batch) for row in batch.rows])
+        if guidance > 0:  # the unconditional copy has its prompt replaced by masks
+            is_prompt = attention_mask & (torch.arange(tokens.shape[1], device=tokens.device) < batch.gen_start)
+            tokens = torch.cat([tokens, tokens.masked_fill(is_prompt, batch.mask_id)])
+            attention_mask, positions, columns = (torch.cat([t, t]) for t in (attention_mask, positions, columns))
+        logits = runner.full_logits(tokens, positions, attention_mask, columns)
+        if guidance > 0:
+            cond, uncond = logits.chunk(2)
+            logits = uncond + (guidance + 1) * (cond - uncond)
+        return logits
+
+    def confidence(self, batch: DecodeBatch, offsets: torch.Tensor, confidence: torch.Tensor) -> torch.Tensor:
+        if batch.params.settings.remasking == "random":
+            return counter_uniform(batch.seed, batch.counters.steps, offsets, REMASK_STREAM)
+        return confidence
+
+    def unmask(self, batch: DecodeBatch, confidence: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+        params = batch.params
+        k = linear_schedule(params.block_length, steps_per_block(params), batch.counters.step_in_block)
+        return transfer_top_k(confidence, masked, k)

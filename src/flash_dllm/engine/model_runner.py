@@ -1,0 +1,148 @@
+"""The model runner: everything that executes on the device for a decoding step.
+
+It owns the model, the KV cache, the kernel and CUDA-graph switches, and builds each cached pass's
+attention metadata from per-request row counts. The decoding methods ask it for hidden states of a set of
+query rows (`prepare` + `run`, or a full forward) and for the logits of a set of columns (`full_logits`,
+`logit_rows` + `logits`): the only places that know how an architecture's logits line up with positions
+(`logit_shift`).
+"""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ..batch import DecodeBatch
+from ..cache.attention_metadata import AttentionMetadata, FlatRows, device_tensor
+from ..cache.kv_cache import KVCache
+from ..models.base import DiffusionLM
+from .cuda_graphs import CudaGraphs
+from .warmup import compile_kernels
+
+
+@dataclass
+class CachedPass:
+    """The flat query rows of one cached pass. Group g of the pass is batch row request[...] of its rows
+    (the batch rows in order, or in the order the pass was prepared with)."""
+
+    rows: FlatRows
+    request: torch.Tensor    # [N] batch row of each flat row
+    column: torch.Tensor     # [N] its column in the batch
+    input_ids: torch.Tensor  # [N]
+    positions: torch.Tensor  # [N] its position in the sequence (RoPE, cache slot offset)
+    metadata: AttentionMetadata
+    batch_shape: tuple[int, int]
+
+    @functools.cached_property
+    def flat_of_column(self) -> torch.Tensor:
+        """[B, W]: the flat row of each (batch row, column) of the pass; -1 where the pass has none."""
+        flat = torch.full(self.batch_shape, -1, dtype=torch.long, device=self.column.device)
+        flat[self.request, self.column] = torch.arange(self.column.shape[0], device=self.column.device)
+        return flat
+
+
+class ModelRunner:
+    """kernels: the cached passes through the Triton kernels (default: on CUDA; TRITON_INTERPRET=1 runs them
+    on the CPU); False uses their PyTorch references (same tokens). cuda_graphs: replay the cached passes
+    whose shapes repeat from CUDA graphs (default: with the kernels on CUDA). kv_cache_bytes: the cache's
+    budget (default: 40% of free GPU memory, or 1 GiB on the CPU); allocated at the first request that needs
+    it, when the kernels are also compiled."""
+
+    def __init__(self, model: DiffusionLM, kernels: bool | None = None, cuda_graphs: bool | None = None,
+                 kv_cache_bytes: int | None = None):
+        weights = next(model.parameters())
+        self.model, self.device, self.dtype = model, weights.device, weights.dtype
+        on_cuda = self.device.type == "cuda"
+        if kernels and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("kernels=True needs a CUDA device (or TRITON_INTERPRET=1 to run them interpreted)")
+        self.kernels = on_cuda if kernels is None else kernels
+        if cuda_graphs and not (self.kernels and on_cuda):
+            raise ValueError("cuda_graphs=True needs the Triton kernels on a CUDA device")
+        self.cuda_graphs = self.kernels and on_cuda if cuda_graphs is None else cuda_graphs
+        if kv_cache_bytes is not None and kv_cache_bytes <= 0:
+            raise ValueError(f"kv_cache_bytes must be positive, got {kv_cache_bytes}")
+        self.kv_cache_bytes = kv_cache_bytes
+        self.cache: KVCache | None = None
+        self.graphs: CudaGraphs | None = None
+
+    @property
+    def logit_shift(self) -> int:
+        return self.model.logit_shift
+
+    def allocate_cache(self, with_hidden: bool) -> KVCache:
+        """The KV cache, allocated at the first call. If that call asks for the per-layer hidden states, the
+        budget holds them too; a later call adds them beyond the budget."""
+        if self.cache is not None:
+            return self.cache
+        budget = self.kv_cache_bytes
+        if budget is None:
+            budget = int(0.4 * torch.cuda.mem_get_info(self.device)[0]) if self.device.type == "cuda" else 1 << 30
+        self.cache = KVCache.from_budget(self.model.config, budget, self.dtype, self.device, with_hidden=with_hidden)
+        if self.kernels and self.device.type == "cuda":
+            compile_kernels(self.model, self.cache)
+        if self.cuda_graphs:
+            self.graphs = CudaGraphs(self._forward_cached)
+        return self.cache
+
+    # Full passes: every position of every row.
+
+    def full_logits(self, tokens: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor,
+                    columns: torch.Tensor) -> torch.Tensor:
+        """One forward over tokens [B, W] (left-padded rows) -> fp32 logits [B, n] of the columns [B, n]."""
+        hidden = self.model.hidden_states(tokens, positions, attention_mask)
+        source = (columns - self.logit_shift)[..., None].expand(-1, -1, hidden.shape[-1])
+        return self.model.compute_logits(hidden.gather(1, source)).float()
+
+    # Cached passes: a set of query rows per request, the rest of each sequence read from the KV cache.
+
+    def prepare(self, batch: DecodeBatch, counts: list[int], columns: torch.Tensor, order: list[int] | None = None,
+                track: torch.Tensor | None = None, input_ids: torch.Tensor | None = None,
+                visibility: torch.Tensor | None = None) -> CachedPass:
+        """A pass over counts[g] query rows for batch row order[g] (default: g), its columns the first
+        counts[g] of columns[g] [G, >= max(counts)]. track [B, W]: the columns whose attention mass the pass
+        accumulates. input_ids [G, >= max(counts)]: the rows' tokens, where they are not the batch's.
+        visibility [G, max_q, max_q]: a pass that does not write the cache, whose rows see each other as it
+        says and none of their own positions in the cache (Flash-Verify's verify pass)."""
+        device, width = batch.tokens.device, batch.tokens.shape[1]
+        rows = FlatRows.from_counts(counts, device)
+        if order is None:
+            request, kv_start, kv_len, max_kv = rows.request, batch.cache_base, batch.lengths, batch.max_length
+        else:
+            order_t = device_tensor(order, device)
+            request, kv_start, kv_len = order_t[rows.request], batch.cache_base[order_t], batch.lengths[order_t]
+            max_kv = max(batch.rows[b].length for b in order)
+        column = columns[rows.request, rows.rank]
+        positions = column - (width - batch.lengths)[request]
+        options = {}
+        if track is not None:
+            options["track_rows"] = track[request, column]
+        if visibility is not None:
+            hidden_keys = torch.zeros(len(counts), max_kv, dtype=torch.bool, device=device)
+            hidden_keys[rows.request, positions] = torch.ones_like(positions, dtype=torch.bool)  # `= True`: a host copy
+            options.update(write_cache=False, hidden_keys=hidden_keys, self_visibility=visibility)
+        metadata = AttentionMetadata.build(rows, kv_start, kv_len, positions, max_kv, **options)
+        ids = batch.tokens[request, column] if input_ids is None else input_ids[rows.request, rows.rank]
+        return CachedPass(rows, request, column, ids, positions, metadata, tuple(batch.tokens.shape))
+
+    def run(self, p: CachedPass, key_mass: torch.Tensor | None = None) -> torch.Tensor:
+        """The pass's final-normed hidden states [N, d]; with key_mass [G, max_kv], the attention mass of the
+        tracked rows is added to it."""
+        forward = self.graphs.run if self.graphs is not None else self._forward_cached
+        return forward(p.input_ids, p.positions, p.metadata, key_mass)
+
+    def _forward_cached(self, input_ids, positions, metadata: AttentionMetadata, key_mass) -> torch.Tensor:
+        return self.model.forward_cached(input_ids, positions, metadata, self.cache, key_mass, self.kernels)
+
+    def logit_rows(self, flat_of_column: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+        """The flat rows [B, n] of a cached pass whose hidden states give the logits of the columns [B, n]
+        (generated positions): the columns' own rows, or for a shifted architecture the rows `logit_shift`
+        columns before. flat_of_column [B, W]: the pass's flat row of each column (-1: not in the pass, and
+        then -1 here)."""
+        return flat_of_column.gather(1, columns - self.logit_shift)
+
+    def logits(self, hidden: torch.Tensor, flat_of_column: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [B, n] of the columns [B, n] from a cached pass's final-normed hidden states [N, d]
+        (a column whose row is not in the pass gets garbage, which must not be used)."""
+        return self.model.compute_logits(hidden[self.logit_rows(flat_of_column, columns).clamp(min=0)]).float()

@@ -1,0 +1,180 @@
+"""The layers every architecture is built from: RMSNorm, packed linear projections, rotary embeddings,
+bidirectional attention (full, or cached over the flat KV cache through the Triton kernels or their
+PyTorch references), the gated MLP, and the pre-norm decoder layer that joins them.
+
+Module names are generic (`attention.qkv_proj`, `mlp.down_proj`, ...); each architecture maps them to
+its checkpoint's tensor names (`DiffusionLM.checkpoint_names`).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..cache.attention_metadata import AttentionMetadata
+from ..cache.kv_cache import KVCache
+from ..config import ModelConfig
+from ..kernels.attention import ragged_attention_ref
+from ..kernels.flash_attention import flash_attention
+from ..kernels.fused_qkv_rope import qkv_rope
+from ..kernels.rms_norm import rms_norm, rms_norm_ref
+from ..kernels.silu_mul import silu_mul, silu_mul_ref
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, bias: bool):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
+
+    def forward(self, x: torch.Tensor, kernels: bool = False) -> torch.Tensor:
+        """`kernels`: the Triton kernel (one launch) instead of its PyTorch reference (normed in fp32)."""
+        return (rms_norm if kernels else rms_norm_ref)(x, self.weight, self.bias, self.eps)
+
+
+class PackedLinear(nn.Linear):
+    """A linear layer whose output rows are several checkpoint matrices stacked (q|k|v or gate|up)."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool):
+        super().__init__(in_features, sum(output_sizes), bias=bias)
+        self.output_sizes = output_sizes
+
+    def rows(self, shard: int) -> slice:
+        start = sum(self.output_sizes[:shard])
+        return slice(start, start + self.output_sizes[shard])
+
+
+def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [...] -> cos, sin [..., head_dim] in fp32 (rotate-half layout)."""
+    exponent = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim
+    inv_freq = 1.0 / (theta ** exponent)
+    freqs = positions.float()[..., None] * inv_freq
+    angles = torch.cat([freqs, freqs], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+class Rotary(NamedTuple):
+    """The RoPE of a pass's rows: positions for the fused kernel, cos/sin [..., D] for the reference."""
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    @classmethod
+    def at(cls, positions: torch.Tensor, cfg: ModelConfig) -> Rotary:
+        return cls(positions, *rotary_cos_sin(positions, cfg.head_dim, cfg.rope_theta))
+
+    def __getitem__(self, rows):  # the same rows of all three
+        return Rotary(*(t[rows] for t in tuple(self)))
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., H, D]; cos, sin [..., D]. Rotation in fp32, result in x's dtype."""
+    x32 = x.float()
+    x1, x2 = x32.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x32 * cos.unsqueeze(-2) + rotated * sin.unsqueeze(-2)).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Bidirectional attention with grouped K/V heads (GQA) from one packed q|k|v projection."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer  # its K/V buffers in the cache
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.rope_theta = cfg.rope_theta
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = PackedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.linear_bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attn_mask: torch.Tensor | None) -> torch.Tensor:
+        """x [B, L, d] -> [B, L, d]; attn_mask [B, 1, 1, L] True for the keys a row may see."""
+        B, L, _ = x.shape
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
+        q = apply_rotary(q.view(B, L, self.num_heads, self.head_dim), cos, sin).transpose(1, 2)
+        k = apply_rotary(k.view(B, L, self.num_kv_heads, self.head_dim), cos, sin).transpose(1, 2)
+        v = v.view(B, L, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.num_kv_heads != self.num_heads:  # GQA: kv head j serves query heads j*g .. j*g+g-1
+            group = self.num_heads // self.num_kv_heads
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # bidirectional
+        return self.o_proj(out.transpose(1, 2).reshape(B, L, -1))
+
+    def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The rotated queries [..., H, D] of normed hidden states x [..., d] (no cache access)."""
+        proj, rows = self.qkv_proj, self.qkv_proj.rows(0)
+        q = F.linear(x, proj.weight[rows], None if proj.bias is None else proj.bias[rows])
+        return apply_rotary(q.unflatten(-1, (self.num_heads, self.head_dim)), cos, sin)
+
+    def forward_cached(self, x: torch.Tensor, rope: Rotary, metadata: AttentionMetadata, cache: KVCache,
+                       key_mass: torch.Tensor | None, kernels: bool) -> torch.Tensor:
+        """x [N, d] flat query rows: write their K/V to the cache (unless the metadata says not to) and attend
+        over each request's cache range. `kernels`: the Triton kernels instead of their PyTorch references."""
+        if kernels:
+            return self.o_proj(self._kernel_attention(x, rope, metadata, cache, key_mass).flatten(1))
+        N = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
+        q = apply_rotary(q.view(N, self.num_heads, self.head_dim), rope.cos, rope.sin)
+        k = apply_rotary(k.view(N, self.num_kv_heads, self.head_dim), rope.cos, rope.sin)
+        v = v.view(N, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = cache.k[self.layer], cache.v[self.layer]
+        if metadata.write_cache:
+            k_cache[metadata.slot_mapping], v_cache[metadata.slot_mapping] = k, v
+            out = ragged_attention_ref(q, k_cache, v_cache, metadata, key_mass)
+        else:
+            out = ragged_attention_ref(q, k_cache, v_cache, metadata, key_mass, k_new=k, v_new=v)
+        return self.o_proj(out.reshape(N, -1))
+
+    def _kernel_attention(self, x, rope, metadata, cache, key_mass) -> torch.Tensor:
+        k_cache, v_cache = cache.k[self.layer], cache.v[self.layer]
+        project = lambda slots, k_out, v_out: qkv_rope(
+            x, self.qkv_proj.weight, self.qkv_proj.bias, rope.positions, slots, k_out, v_out, self.num_heads,
+            self.rope_theta)
+        if metadata.write_cache:
+            q = project(metadata.slot_mapping, k_cache, v_cache)
+            return flash_attention(q, k_cache, v_cache, metadata, key_mass)
+        # A pass that must not write the cache (verify): its own K/V go to fresh rows.
+        k_new, v_new = (x.new_empty(x.shape[0], self.num_kv_heads, self.head_dim) for _ in range(2))
+        q = project(torch.arange(x.shape[0], device=x.device), k_new, v_new)
+        return flash_attention(q, k_cache, v_cache, metadata, key_mass, k_new=k_new, v_new=v_new)
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)), gate and up packed into one projection."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = PackedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=cfg.linear_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.linear_bias)
+
+    def forward(self, x: torch.Tensor, kernels: bool = False) -> torch.Tensor:
+        return self.down_proj((silu_mul if kernels else silu_mul_ref)(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    """x + attention(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_bias)
+        self.attention = Attention(cfg, layer)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_bias)
+        self.mlp = GatedMLP(cfg)
+
+    def forward(self, x, cos, sin, attn_mask):
+        x = x + self.attention(self.attn_norm(x), cos, sin, attn_mask)
+        return x + self.mlp(self.mlp_norm(x))
+
+    def forward_cached(self, x: torch.Tensor, rope: Rotary, metadata: AttentionMetadata, cache: KVCache,
+                       key_mass: torch.Tensor | None, kernels: bool = False) -> torch.Tensor:
+        """`kernels`: the norms, attention and MLP activation through the Triton kernels."""
+        x = x + self.attention.forward_cached(self.attn_norm(x, kernels), rope, metadata, cache, key_mass, kernels)
+        return x + self.mlp(self.mlp_norm(x, kernels), kernels)
+
+    def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The rotated queries [..., H, D] this layer computes from its input hidden states x [..., d]."""
+        return self.attention.queries(self.attn_norm(x), cos, sin)
