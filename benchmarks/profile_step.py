@@ -1,4 +1,4 @@
-"""Where an engine step's time goes on the GPU (issue 5): torch.profiler over a few steps per case, GPU
+"""Where an engine step's time goes on the GPU: torch.profiler over a few steps per case, GPU
 busy time against wall time, the top kernels, and the same step's forward pass replayed as a CUDA graph.
 
     python benchmarks/profile_step.py --model random:llada-8b --cases flash-cache:1 flash-cache:32 dual-cache:1
@@ -14,18 +14,33 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from flash_dllm.cache import KVCache
+from flash_dllm.decoding.registry import method_of
 from flash_dllm.engine.llm_engine import LLMEngine
+from flash_dllm.engine.model_runner import ModelRunner
 from flash_dllm.llm import LLM
 from flash_dllm.sampling_params import SamplingParams
 
 
+class RecordingRunner(ModelRunner):
+    """The runner, keeping every cached pass it runs (to replay the last one alone)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls = []
+
+    def run(self, p, key_mass=None):
+        self.calls.append((p, key_mass))
+        return super().run(p, key_mass)
+
+
 def make_engine(llm, method, batch, prompt_length, max_tokens):
-    block = 16 if method in ("flash-cache", "flash-verify") else 32
-    params = SamplingParams(method=method, max_tokens=max_tokens, block_length=block)
+    decoding = method_of(method)
+    params = SamplingParams(method=method, max_tokens=max_tokens, block_length=decoding.published_block_length)
     cfg = llm.config
-    row_bytes = KVCache.bytes_per_row(cfg, llm.dtype, params.caches_hidden_states)
-    engine = LLMEngine(llm.model, dataclasses.replace(llm.special, stop_ids=()), batch,
-                       batch * (prompt_length + max_tokens) * row_bytes, llm.cuda_graphs)
+    row_bytes = KVCache.bytes_per_row(cfg, llm.dtype, decoding.caches_hidden_states)
+    runner = RecordingRunner(llm.model, kernels=llm.runner.kernels, cuda_graphs=llm.runner.cuda_graphs,
+                             kv_cache_bytes=batch * (prompt_length + max_tokens) * row_bytes)
+    engine = LLMEngine(runner, dataclasses.replace(llm.special, stop_ids=()), batch)
     g = torch.Generator().manual_seed(0)
     for _ in range(batch):
         prompt = torch.randint(0, cfg.vocab_size, (prompt_length,), generator=g)
@@ -51,12 +66,7 @@ def main():
     for case in args.cases:
         method, batch = case.split(":")
         engine = make_engine(llm, method, int(batch), args.prompt_length, args.max_tokens)
-        calls = []
-        original = llm.model.forward_cached
-        def recording(*a, **k):
-            calls.append((a, k))
-            return original(*a, **k)
-        llm.model.forward_cached = recording
+        runner = engine.runner
         for _ in range(4):
             engine.step()
         torch.cuda.synchronize()
@@ -69,7 +79,7 @@ def main():
             for _ in range(args.steps):
                 engine.step()
             torch.cuda.synchronize()
-        llm.model.forward_cached = original
+        calls = runner.calls
         events = prof.key_averages()
         # GPU busy: the kernels' own durations (an op's self device time counts its kernels a second time)
         gpu_ms = sum(e.time_range.elapsed_us() for e in prof.events()
@@ -80,10 +90,11 @@ def main():
         print(events.table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=60))
         graph_ms = eager_ms = float("nan")
         if calls:  # the last cached forward of the step, eager and as a replayed CUDA graph
-            a, k = calls[-1]
+            p, key_mass = calls[-1]
             with torch.inference_mode():
                 def run():
-                    return original(*a, **k)
+                    return runner.model.forward_cached(p.input_ids, p.positions, p.metadata, runner.cache, key_mass,
+                                                       runner.kernels)
                 for _ in range(3):
                     run()
                 torch.cuda.synchronize()
@@ -107,7 +118,7 @@ def main():
                     graph.replay()
                 torch.cuda.synchronize()
                 graph_ms = (time.perf_counter() - t) * 100
-        summary.append((case, wall, gpu_ms, len(calls) / (args.steps + 4), eager_ms, graph_ms))
+        summary.append((case, wall, gpu_ms, len(calls) / (2 * args.steps + 4), eager_ms, graph_ms))
         del engine
         torch.cuda.empty_cache()
     print(f"\n| case (kernels {args.kernels}, graphs {args.cuda_graphs}) | wall ms/step | GPU busy ms/step | "

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from flash_dllm import LLM, SamplingParams
-from flash_dllm.bench.forward import markdown_table
+from flash_dllm.markdown import markdown_table
 from flash_dllm.tasks import is_correct, load_test_set
 
 

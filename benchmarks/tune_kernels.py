@@ -1,4 +1,4 @@
-"""Tile-size search for the two Triton kernels at LLaDA-8B shapes on the GPU (issue 5): every candidate
+"""Tile-size search for the two Triton kernels at LLaDA-8B shapes on the GPU: every candidate
 config is checked against the PyTorch reference, timed with triton.testing.do_bench, and the best per
 shape is printed beside the baseline (cuBLAS matmul alone for the fused kernel, the current config).
 The winners go into each kernel's launch_config by hand.
@@ -69,15 +69,15 @@ def tune_fused(N):
 def tune_attention(batch, rows, mode):
     """mode: "plain", "mass" (key mass of every row) or "verify" (own keys under a visibility mask, hidden
     cache keys)."""
-    q, k_cache, v_cache, table = attention_inputs(CONFIG, batch, rows, KV_LEN, torch.bfloat16, "cuda")
+    q, k_cache, v_cache, metadata = attention_inputs(CONFIG, batch, rows, KV_LEN, torch.bfloat16, "cuda")
     mass = torch.zeros(batch, KV_LEN, device="cuda") if mode == "mass" else None
     extra = {}
     if mode == "verify":
-        table = dataclasses.replace(table, write_cache=False,
+        metadata = dataclasses.replace(metadata, write_cache=False,
                                     hidden_keys=torch.rand(batch, KV_LEN, device="cuda") < 0.1,
                                     self_visibility=torch.rand(batch, rows, rows, device="cuda") < 0.5)
         extra = dict(zip(("k_new", "v_new"), (torch.randn_like(q) for _ in range(2))))
-    reference = ragged_attention_ref(q, k_cache, v_cache, table, **extra)
+    reference = ragged_attention_ref(q, k_cache, v_cache, metadata, **extra)
     current = attention_module.launch_config(rows, verify=mode == "verify", num_seqs=batch)
     configs = [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
                for bm, bn, w, s in itertools.product([32, 64, 128], [32, 64, 128], [4, 8], [2, 3])
@@ -86,7 +86,7 @@ def tune_attention(batch, rows, mode):
     def run():
         if mass is not None:
             mass.zero_()
-        return attention_module.flash_attention(q, k_cache, v_cache, table, mass, **extra)
+        return attention_module.flash_attention(q, k_cache, v_cache, metadata, mass, **extra)
     results = search(attention_module, [current] + configs, run, reference)
     sdpa_q = q.view(batch, rows, HEADS, HEAD_DIM).transpose(1, 2)
     sdpa_k = k_cache.view(batch, KV_LEN, HEADS, HEAD_DIM).transpose(1, 2)

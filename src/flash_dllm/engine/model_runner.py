@@ -92,7 +92,7 @@ class ModelRunner:
                     columns: torch.Tensor) -> torch.Tensor:
         """One forward over tokens [B, W] (left-padded rows) -> fp32 logits [B, n] of the columns [B, n]."""
         hidden = self.model.hidden_states(tokens, positions, attention_mask)
-        source = (columns - self.logit_shift)[..., None].expand(-1, -1, hidden.shape[-1])
+        source = self._logit_source(columns)[..., None].expand(-1, -1, hidden.shape[-1])
         return self.model.compute_logits(hidden.gather(1, source)).float()
 
     # Cached passes: a set of query rows per request, the rest of each sequence read from the KV cache.
@@ -140,9 +140,13 @@ class ModelRunner:
         (generated positions): the columns' own rows, or for a shifted architecture the rows `logit_shift`
         columns before. flat_of_column [B, W]: the pass's flat row of each column (-1: not in the pass, and
         then -1 here)."""
-        return flat_of_column.gather(1, columns - self.logit_shift)
+        return flat_of_column.gather(1, self._logit_source(columns))
 
     def logits(self, hidden: torch.Tensor, flat_of_column: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
         """fp32 logits [B, n] of the columns [B, n] from a cached pass's final-normed hidden states [N, d]
         (a column whose row is not in the pass gets garbage, which must not be used)."""
         return self.model.compute_logits(hidden[self.logit_rows(flat_of_column, columns).clamp(min=0)]).float()
+
+    def _logit_source(self, columns: torch.Tensor) -> torch.Tensor:
+        """The column whose hidden state gives each column's logits (a generated column, so never a row's first)."""
+        return columns - self.logit_shift if self.logit_shift else columns
