@@ -1,12 +1,15 @@
 """The user-facing API: prompts of every kind, the embedded default model, and clear errors."""
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import pytest
 import torch
 
 from flash_dllm import LLM, SamplingParams
+from flash_dllm.decoding.flash_cache import FlashCacheSettings
+from flash_dllm.decoding.parallel import ParallelSettings
 
 
 @pytest.fixture(scope="module")
@@ -70,10 +73,19 @@ def test_random_preset():
     (dict(threshold=0.9, factor=1.0), "either threshold or factor"),
     (dict(temperature=-1.0), "temperature must be >= 0"),
     (dict(method="reference", remasking="sometimes"), "remasking must be one of"),
+    (dict(method="flash-cache", settings=ParallelSettings()), "settings of method 'flash-cache' are FlashCacheSettings"),
+    (dict(settings=ParallelSettings(), threshold=0.5), "either as `settings` or as keywords"),
 ])
 def test_bad_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+def test_settings_whole_or_as_keywords():
+    whole = SamplingParams(method="flash-cache", settings=FlashCacheSettings(threshold=0.7, tracking_budget=40))
+    assert whole == SamplingParams(method="flash-cache", threshold=0.7, tracking_budget=40)
+    assert whole.settings.mask_window == 64 and whole.to_dict()["tracking_budget"] == 40
+    assert dataclasses.replace(whole, max_tokens=64).settings is whole.settings
 
 
 def test_unknown_parameter():

@@ -118,7 +118,7 @@ class DecodeBatch:
             counters=Counters.stack([row.counters for row in rows]),
             temperature=torch.tensor([row.params.temperature for row in rows], device=device),
             seed=torch.tensor([row.params.seed for row in rows], device=device),
-            rule_value=torch.tensor([getattr(row.params.settings, "rule_value", 0.0) for row in rows],
+            rule_value=torch.tensor([row.params.settings.rule_value for row in rows],
                                     dtype=torch.float64, device=device),
             is_sampling=any(row.params.temperature > 0 for row in rows),
             cache_base=(torch.tensor([row.cache_base for row in rows], device=device)

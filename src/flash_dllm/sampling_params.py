@@ -32,21 +32,13 @@ class SamplingParams:
     def __init__(self, method: str = DEFAULT_METHOD, max_tokens: int = 128, block_length: int = 32,
                  temperature: float = 0.0, seed: int = 0, settings: Any = None, **given):
         decoding = method_of(method)
-        if settings is None:
-            for name in given:
-                if name not in {f.name for f in dataclasses.fields(decoding.Settings)}:
-                    readers = [m.name for m in METHODS.values() if name in m.Settings.__dataclass_fields__]
-                    if not readers:
-                        raise ValueError(f"unknown setting {name!r}; the settings are {', '.join(knobs())}")
-                    raise ValueError(f"{name} applies to method {' or '.join(readers)}, not {method!r}")
-            for first, second in decoding.Settings.exclusive:
-                _check(not {first, second} <= given.keys(), f"give either {first} or {second}, not both")
-            settings = decoding.Settings(**given)
-        elif given:
-            raise ValueError("give the method's knobs either as `settings` or as keywords, not both")
-        elif type(settings) is not decoding.Settings:
-            raise ValueError(f"settings of method {method!r} are {decoding.Settings.__name__}, "
-                             f"got {type(settings).__name__}")
+        if given:
+            _check(settings is None, "give the method's knobs either as `settings` or as keywords, not both")
+            settings = _settings_from_keywords(method, given)
+        elif settings is None:
+            settings = decoding.Settings()
+        _check(type(settings) is decoding.Settings,
+               f"settings of method {method!r} are {decoding.Settings.__name__}, got {type(settings).__name__}")
         for name, value in (("method", method), ("max_tokens", max_tokens), ("block_length", block_length),
                             ("temperature", temperature), ("seed", seed), ("settings", settings)):
             object.__setattr__(self, name, value)
@@ -71,6 +63,19 @@ class SamplingParams:
         common = {name: getattr(self, name) for name in ("method", "max_tokens", "block_length", "temperature",
                                                          "seed")}
         return {**common, **dataclasses.asdict(self.settings)}
+
+
+def _settings_from_keywords(method: str, given: dict):
+    """The method's settings from keyword knobs; a knob that it does not read is an error naming who does."""
+    settings = method_of(method).Settings
+    own = {f.name for f in dataclasses.fields(settings)}
+    for name in given.keys() - own:
+        readers = [m.name for m in METHODS.values() if name in {f.name for f in dataclasses.fields(m.Settings)}]
+        _check(bool(readers), f"unknown setting {name!r}; the settings are {', '.join(knobs())}")
+        raise ValueError(f"{name} applies to method {' or '.join(readers)}, not {method!r}")
+    for first, second in settings.exclusive:
+        _check(not {first, second} <= given.keys(), f"give either {first} or {second}, not both")
+    return settings(**given)
 
 
 @dataclass(frozen=True)

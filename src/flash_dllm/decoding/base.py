@@ -36,6 +36,11 @@ class Settings:
     # Pairs of knobs that are alternatives (one replaces the other's rule): giving both is an error.
     exclusive: ClassVar[tuple[tuple[str, str], ...]] = ()
 
+    @property
+    def rule_value(self) -> float:
+        """The per-row value of the method's unmasking rule (batch.rule_value); 0 where it has none."""
+        return 0.0
+
     def batch_key(self) -> tuple:
         return tuple((f.name, getattr(self, f.name) is None) if f.name in self.per_row
                      else (f.name, getattr(self, f.name)) for f in dataclasses.fields(self))

@@ -79,7 +79,8 @@ class FlashCache(Parallel):
         return FlashCacheState(key_mass=torch.zeros(length, device=device),
                                decoded_at=torch.full((length,), -1, dtype=torch.long, device=device))
 
-    def draft(self, runner: ModelRunner, batch: DecodeBatch, columns: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def draft(self, runner: ModelRunner, batch: DecodeBatch,
+              columns: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the step's query rows through the cached forward. Returns fp32 logits [B, n, V] of the block
         columns (rows of the block that are not queries are decoded positions, whose logits are never used)
         and the query columns [B, Qmax] (ascending; the batch width where a row has fewer)."""

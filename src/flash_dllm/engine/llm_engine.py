@@ -93,9 +93,9 @@ class LLMEngine:
             method = method_of(seq.params.method)
             prompt = torch.tensor(seq.prompt_ids, dtype=torch.long, device=self.device)
             masks = torch.full((seq.params.max_tokens,), self.special.mask_id, device=self.device)
-            seq.row = RowState(params=seq.params, prompt_length=len(seq.prompt_ids), tokens=torch.cat([prompt, masks]),
-                               counters=Counters.zeros(self.device), state=method.initial_state(seq.length, self.device),
-                               cache_base=seq.cache_base)
+            seq.row = RowState(params=seq.params, prompt_length=len(seq.prompt_ids),
+                               tokens=torch.cat([prompt, masks]), counters=Counters.zeros(self.device),
+                               state=method.initial_state(seq.length, self.device), cache_base=seq.cache_base)
             seq.status = SequenceStatus.RUNNING
             seq.start_time = time.perf_counter()
         self.running = running + admitted

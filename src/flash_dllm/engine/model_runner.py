@@ -24,8 +24,8 @@ from .warmup import compile_kernels
 
 @dataclass
 class CachedPass:
-    """The flat query rows of one cached pass. Group g of the pass is batch row request[...] of its rows
-    (the batch rows in order, or in the order the pass was prepared with)."""
+    """The flat query rows of one cached pass, grouped by request: flat row i belongs to batch row request[i]
+    (the groups follow the batch's rows, or the order the pass was prepared with)."""
 
     rows: FlatRows
     request: torch.Tensor    # [N] batch row of each flat row

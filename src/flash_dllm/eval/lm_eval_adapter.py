@@ -14,7 +14,6 @@ The device and batch size come from lm-eval's --device and --batch_size (its def
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import sys
 
@@ -39,7 +38,8 @@ class FlashDLLM(LM):
         unknown = sorted(set(sampling) - fields)
         if unknown:
             raise ValueError(f"unknown model_args {', '.join(unknown)}; flash_dllm takes pretrained, device, dtype, "
-                             f"batch_size, the SamplingParams fields and the methods' knobs: {', '.join(sorted(fields))}")
+                             f"batch_size, the SamplingParams fields and the methods' knobs: "
+                             f"{', '.join(sorted(fields))}")
         self.params = SamplingParams(**{"max_tokens": DEFAULT_MAX_TOKENS, **sampling})
         # lm-eval's "auto" batch size means "as large as fits": the engine's batch is fixed, use the default
         batch = int(batch_size) if str(batch_size).isdigit() else DEFAULT_BATCH_SIZE

@@ -73,9 +73,10 @@ def _by_speed(rows: list[dict]) -> list[dict]:
 
 def sweep_table(rows: list[dict]) -> str:
     header = ("method and knobs", "#", "accuracy %", "tokens/s", "tokens/step", "NFE", "Pareto")
-    return markdown_table(header, [(row["label"], number, f"{100 * row['accuracy']:.1f}", f"{row['tokens_per_s']:.1f}",
-                                    f"{row['tokens_per_step']:.2f}", f"{row['nfe']:.1f}", "yes" if row["pareto"] else "")
-                                   for number, row in enumerate(_by_speed(rows), 1)]) + "\n"
+    table = [(row["label"], number, f"{100 * row['accuracy']:.1f}", f"{row['tokens_per_s']:.1f}",
+              f"{row['tokens_per_step']:.2f}", f"{row['nfe']:.1f}", "yes" if row["pareto"] else "")
+             for number, row in enumerate(_by_speed(rows), 1)]
+    return markdown_table(header, table) + "\n"
 
 
 def plot(rows: list[dict], path: str | Path, title: str):

@@ -1,0 +1,70 @@
+"""The model runner: a cached pass's rows and attention metadata from per-request counts, and logits for
+columns that follow the architecture's logit shift (full and cached passes alike)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from flash_dllm.config import PRESETS
+from flash_dllm.engine.model_runner import ModelRunner
+from flash_dllm.models import LLaDAModel, build_model, parse_config
+
+
+def batch_of(tokens: torch.Tensor, lengths: list[int], bases: list[int]):
+    """What `prepare` reads of a DecodeBatch: left-padded tokens [B, W], lengths, cache bases."""
+    return SimpleNamespace(tokens=tokens, lengths=torch.tensor(lengths), cache_base=torch.tensor(bases),
+                           rows=[SimpleNamespace(length=n) for n in lengths], max_length=max(lengths))
+
+
+def test_prepare_builds_rows_and_metadata_from_counts():
+    tokens = torch.arange(24).view(2, 12)
+    batch = batch_of(tokens, lengths=[12, 9], bases=[100, 0])
+    columns = torch.tensor([[2, 5, 11, 0], [3, 4, 7, 10]])  # the first counts[b] of each row are the queries
+    p = ModelRunner(build_model(parse_config(PRESETS["llada-tiny"]), "cpu", torch.float32)).prepare(
+        batch, [3, 2], columns, track=tokens % 2 == 0)
+    assert p.request.tolist() == [0, 0, 0, 1, 1] and p.column.tolist() == [2, 5, 11, 3, 4]
+    assert p.input_ids.tolist() == [2, 5, 11, 15, 16]
+    assert p.positions.tolist() == [2, 5, 11, 0, 1]                 # row 1 starts at column 3 (padding before)
+    m = p.metadata
+    assert m.cu_seqlens_q.tolist() == [0, 3, 5] and m.slot_mapping.tolist() == [102, 105, 111, 0, 1]
+    assert (m.max_q, m.max_kv, m.kv_len.tolist(), m.track_rows.tolist()) == (3, 12, [12, 9], [1, 0, 0, 0, 1])
+    assert p.flat_of_column[0, [2, 5, 11]].tolist() == [0, 1, 2] and p.flat_of_column[1, [3, 4]].tolist() == [3, 4]
+    assert (p.flat_of_column >= 0).sum() == 5
+
+    reordered = ModelRunner(build_model(parse_config(PRESETS["llada-tiny"]), "cpu", torch.float32)).prepare(
+        batch, [2, 1], columns[[1, 0]], order=[1, 0], visibility=torch.ones(2, 2, 2, dtype=torch.bool))
+    assert reordered.request.tolist() == [1, 1, 0] and reordered.positions.tolist() == [0, 1, 2]
+    m = reordered.metadata
+    assert m.kv_start.tolist() == [0, 100] and m.max_kv == 12 and not m.write_cache
+    assert m.hidden_keys.nonzero().tolist() == [[0, 0], [0, 1], [1, 2]]  # each group's own positions
+
+
+class ShiftedLLaDA(LLaDAModel):
+    """LLaDA's layers with Dream's logit alignment: row i predicts position i from hidden state i - 1."""
+    logit_shift = 1
+
+
+@pytest.mark.parametrize("shift", [0, 1])
+def test_logits_of_columns_follow_the_shift(shift):
+    cfg = parse_config(PRESETS["llada-tiny"])
+    cls = ShiftedLLaDA if shift else LLaDAModel
+    with torch.device("meta"):
+        model = cls(cfg)
+    model = model.to_empty(device="cpu").float()
+    torch.manual_seed(0)
+    for param in model.parameters():
+        param.data.normal_(0, 0.3)
+    runner = ModelRunner(model, kernels=False, kv_cache_bytes=64 * 4096)
+    runner.allocate_cache(with_hidden=False)
+    ids = torch.randint(4, cfg.vocab_size, (1, 10))
+    columns = torch.tensor([[4, 7, 9]])
+    expected = model(ids)[0, columns[0]]                             # forward applies the shift itself
+    positions, mask = torch.arange(10)[None], torch.ones(1, 10, dtype=torch.bool)
+    with torch.inference_mode():
+        torch.testing.assert_close(runner.full_logits(ids, positions, mask, columns)[0], expected)
+        batch = batch_of(ids, lengths=[10], bases=[0])
+        p = runner.prepare(batch, [10], torch.arange(10)[None])
+        cached = runner.logits(runner.run(p), p.flat_of_column, columns)[0]
+    torch.testing.assert_close(cached, expected, rtol=1e-5, atol=1e-5)
