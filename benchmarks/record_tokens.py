@@ -4,8 +4,8 @@ them with an earlier recording: the check that a refactor changed no behaviour.
     python benchmarks/record_tokens.py --out tokens.json                     # record
     python benchmarks/record_tokens.py --out after.json --compare before.json   # record and compare
 
-CPU, fp32, the embedded default model, the first N items of each task's test set (passkey: its 256-token
-items, the length `demo` uses), one `generate` call per method and task (batch 32).
+fp32 on the CPU (or --device), the embedded default model, the first N items of each task's test set (passkey:
+its 256-token items, the length `demo` uses), one `generate` call per method and task (batch 32).
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from flash_dllm import LLM, SamplingParams
 from flash_dllm.tasks import load_test_set
 
 # Each method with the settings `flash-dllm demo` uses, written as SamplingParams keywords.
+TASKS = ("arith", "trace", "passkey")
 VARIANTS = {
     "reference": dict(method="reference"),
     "parallel": dict(method="parallel", threshold=0.9),
@@ -38,10 +39,12 @@ def main() -> int:
     parser.add_argument("--items", type=int, default=100)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
-    llm = LLM(device="cpu", dtype="float32")
-    items = {task: load_test_set(task) for task in ("arith", "trace", "passkey")}
-    items["passkey"] = [item for item in items["passkey"] if item.length == 256]
+    llm = LLM(device=args.device, dtype="float32")
+    items = {task: [item for item in load_test_set(task) if task != "passkey" or item.length == 256]
+             for task in args.tasks}
     recorded = {}
     for label in args.variants:
         params = SamplingParams(max_tokens=args.max_tokens, block_length=32, **VARIANTS[label])
@@ -51,14 +54,17 @@ def main() -> int:
             recorded[f"{label}/{task}"] = [out.token_ids for out in outputs]
             print(f"{label}/{task}: {len(outputs)} items, {time.perf_counter() - start:.1f} s", file=sys.stderr,
                   flush=True)
-    with open(args.out, "w") as f:
-        json.dump(recorded, f)
+            with open(args.out, "w") as f:  # after every run, so that an interrupted recording keeps its part
+                json.dump(recorded, f)
     if args.compare is None:
         return 0
     with open(args.compare) as f:
         before = json.load(f)
     differing = 0
     for key, outputs in recorded.items():
+        if key not in before:
+            print(f"{key}: not in {args.compare}")
+            continue
         same = sum(a == b for a, b in zip(outputs, before[key]))
         differing += len(outputs) - same
         print(f"{key}: {same}/{len(outputs)} identical")
