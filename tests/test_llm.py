@@ -75,6 +75,15 @@ def test_random_preset():
     (dict(method="reference", remasking="sometimes"), "remasking must be one of"),
     (dict(method="flash-cache", settings=ParallelSettings()), "settings of method 'flash-cache' are FlashCacheSettings"),
     (dict(settings=ParallelSettings(), threshold=0.5), "either as `settings` or as keywords"),
+    (dict(max_tokens="32"), "max_tokens must be an integer, got '32' \\(str\\)"),
+    (dict(max_tokens=True), "max_tokens must be an integer"),
+    (dict(temperature=float("inf")), "temperature must be finite"),
+    (dict(threshold=float("nan")), "threshold must be finite"),
+    (dict(threshold=-0.1), "threshold must be >= 0"),
+    (dict(seed=2**64), "seed must be in \\[0, 2\\*\\*63\\)"),
+    (dict(seed=-1), "seed must be in"),
+    (dict(method="flash-cache", tracking_budget=1.5), "tracking_budget must be an integer"),
+    (dict(method="flash-verify", verify_threshold=None), "verify_threshold must be given"),
 ])
 def test_bad_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -95,10 +104,14 @@ def test_unknown_parameter():
 
 def test_bad_requests_leave_the_engine_usable(llm):
     too_long = [5] * (llm.config.max_position - 10)
-    with pytest.raises(ValueError, match="exceeds the model's maximum sequence length of 1024"):
+    with pytest.raises(ValueError, match="prompt 1: prompt of 1014 tokens .* exceeds the model's maximum sequence "
+                                         "length of 1024"):
         llm.generate(["fine", too_long], SamplingParams(max_tokens=16, block_length=8))
-    with pytest.raises(ValueError, match="outside the vocabulary"):
+    with pytest.raises(ValueError, match="prompt 0: token id 100000 is outside the vocabulary"):
         llm.generate([[1, 2, 100000]])
+    for empty in ("", []):
+        with pytest.raises(ValueError, match="prompt 1: the prompt is empty"):
+            llm.generate(["fine", empty], SamplingParams(max_tokens=8, block_length=8))
     with pytest.raises(ValueError, match="2 sampling params for 1 prompts"):
         llm.generate(["a"], [SamplingParams(), SamplingParams()])
     with pytest.raises(ValueError, match="unknown dtype"):

@@ -116,6 +116,20 @@ class LLM:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    def _checked_request(self, index: int, prompt: Prompt, params: SamplingParams) -> list[int]:
+        """A prompt's token ids, checked before any request of the call starts; an error names the prompt."""
+        try:
+            if isinstance(prompt, (str, list)) and not prompt:
+                raise ValueError("the prompt is empty")
+            ids = self.encode(prompt)
+            if len(ids) + params.max_tokens > self.config.max_position:
+                raise ValueError(f"prompt of {len(ids)} tokens + max_tokens {params.max_tokens} exceeds the "
+                                 f"model's maximum sequence length of {self.config.max_position}")
+            self.engine.check_fits(len(ids), params)
+        except ValueError as error:
+            raise ValueError(f"prompt {index}: {error}") from None
+        return ids
+
     def decode(self, token_ids: list[int]) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode(token_ids)
 
@@ -131,13 +145,7 @@ class LLM:
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
-        encoded = [self.encode(p) for p in prompts]
-        for ids, p in zip(encoded, params):  # check every request before any starts
-            if len(ids) + p.max_tokens > self.config.max_position:
-                raise ValueError(f"prompt of {len(ids)} tokens + max_tokens {p.max_tokens} exceeds the model's "
-                                 f"maximum sequence length of {self.config.max_position}")
-        for ids, p in zip(encoded, params):
-            self.engine.check_fits(len(ids), p)
+        encoded = [self._checked_request(index, prompt, p) for index, (prompt, p) in enumerate(zip(prompts, params))]
         seqs = [self.engine.add_request(ids, p) for ids, p in zip(encoded, params)]
         progress = None
         if use_tqdm:

@@ -5,6 +5,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from .decoding.base import check_type
 from .decoding.registry import DEFAULT_METHOD, METHODS, method_of
 
 
@@ -41,12 +42,15 @@ class SamplingParams:
                f"settings of method {method!r} are {decoding.Settings.__name__}, got {type(settings).__name__}")
         for name, value in (("method", method), ("max_tokens", max_tokens), ("block_length", block_length),
                             ("temperature", temperature), ("seed", seed), ("settings", settings)):
+            if name != "settings":
+                check_type(name, value, self.__dataclass_fields__[name].type)
             object.__setattr__(self, name, value)
         _check(max_tokens > 0, f"max_tokens must be positive, got {max_tokens}")
         _check(block_length > 0, f"block_length must be positive, got {block_length}")
         _check(not decoding.uses_blocks or max_tokens % block_length == 0,
                f"max_tokens ({max_tokens}) must be a multiple of block_length ({block_length})")
         _check(temperature >= 0, f"temperature must be >= 0, got {temperature}")
+        _check(0 <= seed < 1 << 63, f"seed must be in [0, 2**63), got {seed}")
         decoding.validate(self)
 
     @property

@@ -9,6 +9,7 @@ iteration through the model runner.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -47,8 +48,9 @@ class Settings:
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
-            choices = f.metadata.get("choices")
             value = getattr(self, f.name)
+            check_type(f.name, value, f.type)
+            choices = f.metadata.get("choices")
             if choices and value not in choices:
                 raise ValueError(f"{f.name} must be one of {choices}, got {value!r}")
 
@@ -56,6 +58,23 @@ class Settings:
 def check(condition: bool, message: str):
     if not condition:
         raise ValueError(message)
+
+
+def check_type(name: str, value: Any, annotation: str):
+    """A value against its field's annotation ("int", "float | None", "str"): ints are not bools, floats are
+    finite numbers."""
+    kinds = [kind.strip() for kind in str(annotation).split("|")]
+    if value is None:
+        check("None" in kinds, f"{name} must be given, got None")
+    elif "int" in kinds:
+        check(isinstance(value, int) and not isinstance(value, bool),
+              f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+    elif "float" in kinds:
+        check(isinstance(value, (int, float)) and not isinstance(value, bool),
+              f"{name} must be a number, got {value!r} ({type(value).__name__})")
+        check(math.isfinite(value), f"{name} must be finite, got {value}")
+    elif "str" in kinds:
+        check(isinstance(value, str), f"{name} must be a string, got {value!r} ({type(value).__name__})")
 
 
 class DecodingMethod:
