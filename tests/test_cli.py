@@ -3,7 +3,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+import torch
+
 from flash_dllm.cli import main
+from flash_dllm.config import PRESETS
 
 
 def test_generate_prompts_and_file(gqa_checkpoint, tmp_path, capsys):
@@ -30,6 +34,8 @@ def test_info(capsys):
     assert main(["info", "--model", "random:llada-8b"]) == 0
     out = capsys.readouterr().out
     assert "parameters: 8,015,581,184" in out and "KV cache per token: 524,288 bytes" in out
+    assert main(["info"]) == 0  # the embedded model's directory
+    assert "architecture: llada" in capsys.readouterr().out
 
 
 def test_bench_forward_on_cpu(capsys):
@@ -96,3 +102,32 @@ def test_bench_step_on_cpu(capsys):
     rows_of = {(r["method"], r["batch"]): float(r["query rows/iter/req"]) for r in rows}
     assert all(rows_of["dual-cache", b] < rows_of["reference", b] == 32 for b in ("1", "2"))
     assert all(r["passes/iter"] == "2.00" for r in rows if r["method"] == "flash-verify")  # draft + verify
+
+
+BAD_INPUTS = [
+    ("prompts.jsonl", b'{"prompt": "ok"}\n{"prompt": "unclosed\n', "prompts.jsonl:2: not valid JSON"),
+    ("prompts.jsonl", b'{"prompt": "ok"}\n[1, 2]\n', "prompts.jsonl:2: expected an object with a prompt"),
+    ("prompts.txt", b"fine\nbad \xff byte\n", "prompts.txt:2: not valid UTF-8"),
+]
+
+
+@pytest.mark.parametrize("name, content, message", BAD_INPUTS, ids=["json", "not-an-object", "utf8"])
+def test_bad_prompt_files_name_file_and_line(tmp_path, capsys, name, content, message):
+    (tmp_path / name).write_bytes(content)
+    assert main(["generate", "--file", str(tmp_path / name), "--device", "cpu", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_one_line_errors_for_bad_arguments_and_configs(tmp_path, capsys):
+    assert main(["generate", "bad \udcff", "--device", "cpu"]) == 2  # argv's escape for a non-UTF-8 byte
+    assert "prompt argument 1 is not valid UTF-8" in capsys.readouterr().err
+    assert main(["generate", "hi", "--device", "tpu:0"]) == 2
+    assert "unknown device 'tpu:0'" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["generate", "hi", "--device", "cuda"]) == 2
+        assert "sees no CUDA device" in capsys.readouterr().err
+    config = {k: v for k, v in PRESETS["llada-tiny"].items() if k not in ("vocab_size", "embedding_size")}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert main(["info", "--model", str(tmp_path)]) == 2
+    assert "config.json: missing required key 'vocab_size'" in capsys.readouterr().err

@@ -40,10 +40,12 @@ def add_sampling_args(parser: argparse.ArgumentParser):
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=0)
     for name, knob in knobs().items():
-        readers = ", ".join(f"{method} {default}" if default is not None else method
-                            for method, default in knob.defaults.items())
-        g.add_argument("--" + name.replace("_", "-"), type=knob.type, choices=knob.choices,
-                       help=f"{knob.help} ({readers})")
+        readers: dict = {}
+        for method, default in knob.defaults.items():
+            readers.setdefault(default, []).append(method)
+        who = "; ".join(", ".join(methods) + ("" if default is None else f": default {default}")
+                        for default, methods in readers.items())
+        g.add_argument("--" + name.replace("_", "-"), type=knob.type, choices=knob.choices, help=f"{knob.help} ({who})")
 
 
 def sampling_params_from_args(args) -> SamplingParams:
@@ -53,24 +55,40 @@ def sampling_params_from_args(args) -> SamplingParams:
 
 
 def read_prompts(args) -> list:
-    prompts = list(args.prompts)
+    """The prompt arguments, then the file's: one per line, or per jsonl line a prompt, messages or
+    prompt_token_ids; an error names the argument or file:line."""
+    prompts = []
+    for number, prompt in enumerate(args.prompts, 1):
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"prompt argument {number} is not valid UTF-8") from None
+        prompts.append(prompt)
     if args.file:
         path = Path(args.file)
         if not path.is_file():
             raise FileNotFoundError(f"prompt file {path} does not exist")
-        if path.suffix == ".jsonl":  # {"prompt": str} | {"messages": [...]} | {"prompt_token_ids": [...]}
-            for number, line in enumerate(path.read_text().splitlines(), 1):
-                if line.strip():
-                    item = json.loads(line)
-                    prompt = next((item[k] for k in ("prompt", "messages", "prompt_token_ids") if k in item), None)
-                    if prompt is None:
-                        raise ValueError(f"{path}:{number}: expected a prompt, messages or prompt_token_ids key")
-                    prompts.append(prompt)
-        else:
-            prompts += [line for line in path.read_text().splitlines() if line.strip()]
+        for number, raw in enumerate(path.read_bytes().splitlines(), 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise ValueError(f"{path}:{number}: not valid UTF-8") from None
+            if line.strip():
+                prompts.append(_jsonl_prompt(line, f"{path}:{number}") if path.suffix == ".jsonl" else line)
     if not prompts:
         raise ValueError("no prompts: give them as arguments or with --file")
     return prompts
+
+
+def _jsonl_prompt(line: str, where: str):
+    try:
+        item = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not valid JSON ({e.msg}, column {e.colno})") from None
+    keys = ("prompt", "messages", "prompt_token_ids")
+    if not isinstance(item, dict) or not any(key in item for key in keys):
+        raise ValueError(f"{where}: expected an object with a prompt, messages or prompt_token_ids key")
+    return next(item[key] for key in keys if key in item)
 
 
 def cmd_generate(args):
@@ -100,16 +118,15 @@ def cmd_generate(args):
 def cmd_info(args):
     import torch
 
-    from .config import ModelConfig
     from .llm import RANDOM_PREFIX, default_model_path
-    from .models import build_model
+    from .models import build_model, config_from_dir
     from .models.loader import random_config
 
     spec = args.model or str(default_model_path())
     if spec.startswith(RANDOM_PREFIX):
         cfg = random_config(spec[len(RANDOM_PREFIX):])
     else:
-        cfg = ModelConfig.from_dir(spec)
+        cfg = config_from_dir(spec)
     num_params = sum(p.numel() for p in build_model(cfg, "meta", torch.bfloat16).parameters())
     print(f"model: {spec}")
     for key, value in vars(cfg).items():

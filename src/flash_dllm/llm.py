@@ -77,7 +77,12 @@ class LLM:
                  dtype: str | torch.dtype | None = None, max_batch_size: int = 32,
                  chat_template: bool | None = None, seed: int = 0, kv_cache_bytes: int | None = None,
                  kernels: bool | None = None, cuda_graphs: bool | None = None):
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        try:
+            self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        except RuntimeError:
+            raise ValueError(f"unknown device {device!r}; e.g. cpu, cuda, cuda:1") from None
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {str(self.device)!r}: this torch build sees no CUDA device")
         self.dtype = resolve_dtype(dtype, self.device)
         spec = str(model) if model is not None else str(default_model_path())
         if spec.startswith(RANDOM_PREFIX):

@@ -37,6 +37,7 @@ class LLaDAModel(DiffusionLM):
         try:
             d_model, n_heads = int(cfg["d_model"]), int(cfg["n_heads"])
             n_layers = int(cfg["n_layers"])
+            vocab_size = int(cfg.get("embedding_size") or cfg["vocab_size"])
         except KeyError as e:
             raise ValueError(f"config.json: missing required key {e.args[0]!r}") from None
         if d_model % n_heads:
@@ -51,7 +52,7 @@ class LLaDAModel(DiffusionLM):
             num_kv_heads=int(cfg.get("n_kv_heads") or n_heads),
             head_dim=d_model // n_heads,
             intermediate_size=int(mlp),
-            vocab_size=int(cfg.get("embedding_size") or cfg["vocab_size"]),
+            vocab_size=vocab_size,
             max_position=int(cfg.get("max_sequence_length", 4096)),
             rope_theta=float(cfg.get("rope_theta", 10000.0)),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
