@@ -5,7 +5,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from .decoding.base import check_type
+from .decoding.base import check, check_type
 from .decoding.registry import DEFAULT_METHOD, METHODS, method_of
 
 
@@ -34,23 +34,23 @@ class SamplingParams:
                  temperature: float = 0.0, seed: int = 0, settings: Any = None, **given):
         decoding = method_of(method)
         if given:
-            _check(settings is None, "give the method's knobs either as `settings` or as keywords, not both")
+            check(settings is None, "give the method's knobs either as `settings` or as keywords, not both")
             settings = _settings_from_keywords(method, given)
         elif settings is None:
             settings = decoding.Settings()
-        _check(type(settings) is decoding.Settings,
+        check(type(settings) is decoding.Settings,
                f"settings of method {method!r} are {decoding.Settings.__name__}, got {type(settings).__name__}")
         for name, value in (("method", method), ("max_tokens", max_tokens), ("block_length", block_length),
                             ("temperature", temperature), ("seed", seed), ("settings", settings)):
             if name != "settings":
                 check_type(name, value, self.__dataclass_fields__[name].type)
             object.__setattr__(self, name, value)
-        _check(max_tokens > 0, f"max_tokens must be positive, got {max_tokens}")
-        _check(block_length > 0, f"block_length must be positive, got {block_length}")
-        _check(not decoding.uses_blocks or max_tokens % block_length == 0,
+        check(max_tokens > 0, f"max_tokens must be positive, got {max_tokens}")
+        check(block_length > 0, f"block_length must be positive, got {block_length}")
+        check(not decoding.uses_blocks or max_tokens % block_length == 0,
                f"max_tokens ({max_tokens}) must be a multiple of block_length ({block_length})")
-        _check(temperature >= 0, f"temperature must be >= 0, got {temperature}")
-        _check(0 <= seed < 1 << 63, f"seed must be in [0, 2**63), got {seed}")
+        check(temperature >= 0, f"temperature must be >= 0, got {temperature}")
+        check(0 <= seed < 1 << 63, f"seed must be in [0, 2**63), got {seed}")
         decoding.validate(self)
 
     @property
@@ -75,10 +75,10 @@ def _settings_from_keywords(method: str, given: dict):
     own = {f.name for f in dataclasses.fields(settings)}
     for name in given.keys() - own:
         readers = [m.name for m in METHODS.values() if name in {f.name for f in dataclasses.fields(m.Settings)}]
-        _check(bool(readers), f"unknown setting {name!r}; the settings are {', '.join(knobs())}")
+        check(bool(readers), f"unknown setting {name!r}; the settings are {', '.join(knobs())}")
         raise ValueError(f"{name} applies to method {' or '.join(readers)}, not {method!r}")
     for first, second in settings.exclusive:
-        _check(not {first, second} <= given.keys(), f"give either {first} or {second}, not both")
+        check(not {first, second} <= given.keys(), f"give either {first} or {second}, not both")
     return settings(**given)
 
 
@@ -102,8 +102,3 @@ def knobs() -> dict[str, Knob]:
             found.setdefault(f.name, Knob(kind, meta.get("choices"), meta["help"], meta.get("symbol"), {}))
             found[f.name].defaults[method.name] = f.default
     return found
-
-
-def _check(condition: bool, message: str):
-    if not condition:
-        raise ValueError(message)
