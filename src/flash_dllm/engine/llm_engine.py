@@ -63,6 +63,14 @@ class LLMEngine:
                 self.allocator.release(seq.cache_base, seq.length)
             seq.finish([], "abort", seq.steps, seq.nfe)
 
+    def final_prefixes(self, seqs: list[Sequence]) -> list[list[int]]:
+        """Each running sequence's final prefix: its generated tokens up to the first mask or eos/eot (a decoded
+        token never changes, so these are the first tokens of its output). One transfer for all of them."""
+        batch = self.batch
+        rows = [self.running.index(seq) for seq in seqs]
+        generated = batch.tokens[rows, batch.gen_start:].tolist() if rows else []
+        return [ids[:seq.final_length] for ids, seq in zip(generated, seqs)]
+
     def _reserve(self, seq: Sequence) -> bool:
         if not method_of(seq.params.method).uses_cache:
             return True
@@ -111,14 +119,15 @@ class LLMEngine:
         first_stop = torch.where(torch.isin(generated, self.stop_ids), index, length).amin(dim=1)
         first_mask = torch.where(generated == self.special.mask_id, index, length).amin(dim=1)
         finished = (first_stop < first_mask) | (first_mask == length)
-        host = [finished.long(), counters.block_index, counters.step_in_block]
+        host = [finished.long(), counters.block_index, counters.step_in_block, torch.minimum(first_stop, first_mask)]
         if batch.next_query_rows is not None:
             host.append(batch.next_query_rows)
         state = torch.stack(host).tolist()  # the one sync
-        for row, block_index, step_in_block in zip(batch.rows, state[1], state[2]):
+        for seq, row, block_index, step_in_block, final in zip(self.running, batch.rows, *state[1:4]):
             row.block_index, row.step_in_block = block_index, step_in_block
+            seq.final_length = final
         if batch.next_query_rows is not None:
-            for row, count in zip(batch.rows, state[3]):
+            for row, count in zip(batch.rows, state[4]):
                 row.next_query_rows = count
         done = [index for index, is_done in enumerate(state[0]) if is_done]
         if not done:

@@ -28,6 +28,7 @@ class Sequence:
     steps: int = 0
     nfe: int = 0
     query_rows: int = 0  # query rows computed for this sequence over all its forward passes
+    final_length: int = 0  # generated tokens known to be final: all decoded, up to the first mask or eos/eot
     start_time: float | None = None
     finish_time: float | None = None
 

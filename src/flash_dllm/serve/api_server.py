@@ -1,0 +1,401 @@
+"""An OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+
+Every request is checked before it reaches the engine: malformed JSON, wrong types, out-of-range values,
+unknown methods or fields and prompts that can never fit are a 400 naming the culprit; beyond the queue's
+bound a 429 with Retry-After. Accepted requests share one engine loop (serve/async_engine.py).
+
+Streaming sends the output's final prefix as it grows: a dLLM decodes positions out of order, so text is
+sent once every position before it is decoded, in order, and the chunks concatenate to the non-streamed
+text. Stop strings end a request as soon as the final prefix contains one.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+from fastapi import APIRouter, Depends, FastAPI, Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from ..llm import LLM
+from .async_engine import Accepted, AsyncEngine, Failed, Finished, Prefix, Rejected, Request
+from .protocol import ChatCompletionRequest, CommonRequest, CompletionRequest, ServerDefaults, sampling_params
+
+log = logging.getLogger("flash_dllm.serve")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model_name: str
+    defaults: ServerDefaults
+    max_queue: int = 256           # requests waiting beyond the running batch before 429
+    api_key: str | None = None     # required as "Authorization: Bearer KEY" on /v1/* when set
+
+    def __post_init__(self):
+        if self.max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.headers = status, message, kind, headers
+
+
+def error_response(status: int, message: str, kind: str = "invalid_request_error", headers: dict | None = None):
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status, headers=headers)
+
+
+def validation_message(error: RequestValidationError) -> str:
+    first = error.errors()[0]
+    where = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
+    if first.get("type") == "json_invalid":
+        return f"the request body is not valid JSON ({first.get('ctx', {}).get('error', first['msg'])})"
+    return f"{where or 'body'}: {first['msg']}"
+
+
+class TextStream:
+    """One choice's text as its final prefix grows: what has been sent, and where a stop string cuts it."""
+
+    def __init__(self, llm: LLM, stops: list[str]):
+        self.llm, self.stops, self.sent = llm, stops, ""
+        self.holdback = max((len(s) for s in stops), default=1) - 1  # a stop string may still be completing
+
+    def cut(self, text: str) -> tuple[str, bool]:
+        found = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        return (text[:min(found)], True) if found else (text, False)
+
+    def grow(self, ids: list[int]) -> tuple[str, bool]:
+        """The new text of a longer final prefix, and whether a stop string ended it."""
+        text, stopped = self.cut(self.llm.decode(ids) or "")
+        if not stopped:  # hold back a half-decoded character and a possible stop string's start
+            text = text.rstrip("\ufffd")
+            text = text[:max(len(text) - self.holdback, 0)]
+        if not text.startswith(self.sent):
+            return "", stopped
+        delta, self.sent = text[len(self.sent):], text
+        return delta, stopped
+
+    def finish(self, ids: list[int]) -> tuple[str, bool]:
+        text, stopped = self.cut(self.llm.decode(ids) or "")
+        if not text.startswith(self.sent):
+            log.warning("streamed text is not a prefix of the final text")
+        delta, self.sent = text[len(self.sent):], text
+        return delta, stopped
+
+
+class Choice:
+    """One prompt of a request: its engine request, text stream and outcome."""
+
+    def __init__(self, index: int, request: Request, stream: TextStream):
+        self.index, self.request, self.text = index, request, stream
+        self.token_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.nfe = self.steps = 0
+
+    def on_event(self, event) -> str | None:
+        """Apply an engine event; the new text, if any."""
+        if isinstance(event, Prefix):
+            delta, stopped = self.text.grow(event.token_ids)
+            self.token_ids = event.token_ids
+            if stopped:
+                self.finish_reason = "stop"
+            return delta
+        if isinstance(event, Finished):
+            seq = event.seq
+            delta, stopped = self.text.finish(seq.output_ids)
+            self.token_ids, self.nfe, self.steps = seq.output_ids, seq.nfe, seq.steps
+            self.finish_reason = "stop" if stopped else seq.finish_reason
+            return delta
+        if isinstance(event, Failed):
+            raise APIError(500, event.message, "server_error")
+        return None
+
+
+def build_app(llm: LLM, config: ServeConfig) -> FastAPI:
+    engine = AsyncEngine(llm)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_):
+        engine.start()
+        yield
+        engine.shutdown()
+
+    app = FastAPI(title="flash-dllm", lifespan=lifespan)
+    app.state.engine = engine
+    capacity = llm.engine.scheduler.max_batch_size + config.max_queue
+    in_flight = {"requests": 0, "throttled": 0}
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(_, error: RequestValidationError):
+        return error_response(400, validation_message(error))
+
+    @app.exception_handler(APIError)
+    async def on_api_error(_, error: APIError):
+        return error_response(error.status, error.message, error.kind, error.headers)
+
+    def check_api_key(http: HTTPRequest):
+        if config.api_key and http.headers.get("authorization") != f"Bearer {config.api_key}":
+            raise APIError(401, "missing or wrong API key (Authorization: Bearer KEY)", "authentication_error")
+
+    def check_model(body: CommonRequest):
+        if body.model is not None and body.model != config.model_name:
+            raise APIError(404, f"model {body.model!r} does not exist; this server serves {config.model_name!r}",
+                           "not_found_error")
+
+    def encode_completion(prompt) -> list[int]:
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if isinstance(prompt, str):
+            if llm.tokenizer is None:
+                raise ValueError("this model has no tokenizer: give the prompt as token ids")
+            return llm.tokenizer.encode(prompt)
+        return llm.encode(prompt)
+
+    def admit(body: CommonRequest, prompts: list[list[int]]) -> list[Request]:
+        """Checked requests for the engine (400 on a bad one), within the queue's bound (429 beyond it)."""
+        if message := body.unsupported():
+            raise APIError(400, message)
+        check_model(body)
+        try:
+            params = sampling_params(body, config.defaults)
+        except ValueError as error:
+            raise APIError(400, str(error)) from None
+        if body.stops and llm.tokenizer is None:
+            raise APIError(400, "stop strings need a tokenizer; this model has none")
+        for index, ids in enumerate(prompts):
+            if len(ids) + params.max_tokens > llm.config.max_position:
+                where = f"prompt {index}: " if len(prompts) > 1 else ""
+                raise APIError(400, f"{where}{len(ids)} prompt tokens + max_tokens {params.max_tokens} exceed the "
+                                    f"model's context of {llm.config.max_position} tokens")
+        if in_flight["requests"] + len(prompts) > capacity:
+            in_flight["throttled"] += 1
+            raise APIError(429, f"the server is at capacity ({capacity} requests running or queued); retry later",
+                           "rate_limit_error", headers={"Retry-After": "1"})
+        return [Request(ids, params, stream=body.stream or bool(body.stops)) for ids in prompts]
+
+    async def start(requests: list[Request]):
+        """Hand the requests to the engine; a rejected one (it can never fit) fails the call with a 400."""
+        in_flight["requests"] += len(requests)
+        try:
+            outcomes = [await engine.submit(request) for request in requests]
+        except BaseException:
+            release(requests)
+            raise
+        rejected = [(i, o) for i, o in enumerate(outcomes) if isinstance(o, Rejected)]
+        if rejected:
+            release(requests)
+            index, outcome = rejected[0]
+            where = f"prompt {index}: " if len(requests) > 1 else ""
+            raise APIError(400, where + outcome.message)
+        assert all(isinstance(o, Accepted) for o in outcomes)
+
+    def release(requests: list[Request]):
+        """Abort what is still running (a no-op for finished requests) and free the requests' slots."""
+        for request in requests:
+            engine.abort(request)
+        in_flight["requests"] -= len(requests)
+
+    async def events(choices: list[Choice], http: HTTPRequest):
+        """(choice, new text) as engine events arrive, until every choice has finished; stops when the client
+        disconnects."""
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(choice: Choice):
+            while True:
+                event = await choice.request.events.get()
+                await merged.put((choice, event))
+                if isinstance(event, (Finished, Failed)):
+                    return
+
+        pumps = [asyncio.create_task(pump(choice)) for choice in choices]
+        try:
+            while any(choice.finish_reason is None for choice in choices):
+                try:
+                    choice, event = await asyncio.wait_for(merged.get(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    if await http.is_disconnected():
+                        return
+                    continue
+                if choice.finish_reason is not None:
+                    continue  # a stop string ended it already
+                delta = choice.on_event(event)
+                if choice.finish_reason is not None:
+                    engine.abort(choice.request)
+                yield choice, delta
+        finally:
+            for task in pumps:
+                task.cancel()
+
+    def usage(choices: list[Choice], prompts: list[list[int]]) -> dict:
+        prompt_tokens = sum(len(ids) for ids in prompts)
+        completion_tokens = sum(len(choice.token_ids) for choice in choices)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+                "nfe": sum(c.nfe for c in choices), "steps": sum(c.steps for c in choices)}
+
+    async def respond(http: HTTPRequest, body: CommonRequest, prompts: list[list[int]], chat: bool,
+                      echo: list[str] | None = None):
+        requests = admit(body, prompts)
+        await start(requests)
+        choices = [Choice(i, request, TextStream(llm, body.stops)) for i, request in enumerate(requests)]
+        header = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
+                  "model": config.model_name}
+        with_ids = body.return_token_ids or llm.tokenizer is None
+        if body.stream:
+            return StreamingResponse(stream(http, body, choices, prompts, header, chat, with_ids, echo, requests),
+                                     media_type="text/event-stream")
+        try:
+            async for _ in events(choices, http):
+                pass
+        finally:
+            release(requests)
+        out = []
+        for choice in choices:
+            text = (echo[choice.index] if echo else "") + choice.text.sent
+            item = ({"index": choice.index, "message": {"role": "assistant", "content": text},
+                     "finish_reason": choice.finish_reason} if chat else
+                    {"index": choice.index, "text": text, "logprobs": None, "finish_reason": choice.finish_reason})
+            if with_ids:
+                item["token_ids"] = choice.token_ids
+            out.append(item)
+        return {**header, "object": "chat.completion" if chat else "text_completion", "choices": out,
+                "usage": usage(choices, prompts)}
+
+    async def stream(http, body, choices, prompts, header, chat, with_ids, echo, requests):
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(choice: Choice, text: str | None, ids: list[int] | None = None, role: bool = False) -> str:
+            if chat:
+                delta = {"role": "assistant"} if role else {}
+                if text is not None:
+                    delta["content"] = text
+                item = {"index": choice.index, "delta": delta, "finish_reason": choice.finish_reason}
+            else:
+                item = {"index": choice.index, "text": text or "", "logprobs": None,
+                        "finish_reason": choice.finish_reason}
+            if ids is not None:
+                item["token_ids"] = ids
+            return "data: " + json.dumps({**header, "object": kind, "choices": [item]}) + "\n\n"
+
+        sent_ids = {choice.index: 0 for choice in choices}
+        try:
+            for choice in choices:
+                if chat or echo:
+                    yield chunk(choice, echo[choice.index] if echo else "", [] if with_ids else None, role=chat)
+            async for choice, delta in events(choices, http):
+                ids = None
+                if with_ids:
+                    ids = choice.token_ids[sent_ids[choice.index]:]
+                    sent_ids[choice.index] = len(choice.token_ids)
+                if delta or choice.finish_reason is not None or ids:
+                    yield chunk(choice, delta, ids)
+            if body.stream_options is not None and body.stream_options.include_usage:
+                yield "data: " + json.dumps({**header, "object": kind, "choices": [],
+                                             "usage": usage(choices, prompts)}) + "\n\n"
+            yield "data: [DONE]\n\n"
+        except APIError as error:
+            yield "data: " + json.dumps({"error": {"message": error.message, "type": error.kind,
+                                                   "code": error.status}}) + "\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            release(requests)
+
+    api = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+
+    @api.post("/completions")
+    async def completions(body: CompletionRequest, http: HTTPRequest):
+        prompts = []
+        for index, prompt in enumerate(body.prompts):
+            try:
+                prompts.append(encode_completion(prompt))
+            except ValueError as error:
+                raise APIError(400, (f"prompt {index}: " if len(body.prompts) > 1 else "") + str(error)) from None
+        echo = None
+        if body.echo:
+            echo = [p if isinstance(p, str) else (llm.decode(p) or "") for p in body.prompts]
+        return await respond(http, body, prompts, chat=False, echo=echo)
+
+    @api.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
+        if not body.messages:
+            raise APIError(400, "messages is empty")
+        if llm.tokenizer is None or not getattr(llm.tokenizer, "chat_template", None):
+            raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions")
+        prompt = llm.encode([message.as_dict() for message in body.messages])
+        return await respond(http, body, [prompt], chat=True)
+
+    @api.get("/models")
+    async def models():
+        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
+                                            "owned_by": "flash-dllm", "max_model_len": llm.config.max_position}]}
+
+    app.include_router(api)
+
+    @app.get("/health")
+    async def health():
+        if not engine.is_alive():
+            return error_response(503, "the engine loop has stopped", "server_error")
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(prometheus_text(engine, in_flight["throttled"]),
+                                 media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def prometheus_text(engine: AsyncEngine, throttled: int) -> str:
+    stats = engine.stats
+    lines = []
+
+    def metric(name: str, kind: str, help: str, values: dict[str, float] | float):
+        lines.extend([f"# HELP flash_dllm_{name} {help}", f"# TYPE flash_dllm_{name} {kind}"])
+        for labels, value in (values.items() if isinstance(values, dict) else [("", values)]):
+            lines.append(f"flash_dllm_{name}{labels} {value}")
+
+    finished = sum(stats.finished.values())
+    metric("requests_total", "counter", "Requests that ended, by how.",
+           {f'{{outcome="{k}"}}': v for k, v in stats.finished.items()})
+    metric("requests_rejected_total", "counter", "Requests refused: the KV cache can never hold them.", stats.rejected)
+    metric("requests_throttled_total", "counter", "Requests refused with 429: queue full.", throttled)
+    metric("requests_running", "gauge", "Requests in the running batch.", stats.running)
+    metric("requests_waiting", "gauge", "Requests queued for the running batch.", stats.waiting)
+    metric("generated_tokens_total", "counter", "Generated tokens (up to the first eos/eot).", stats.generated_tokens)
+    metric("denoising_steps_total", "counter", "Denoising steps of finished requests.", stats.steps)
+    metric("nfe_total", "counter", "Forward passes (NFE) of finished requests.", stats.nfe)
+    metric("engine_iterations_total", "counter", "Engine steps over the running batch.", stats.iterations)
+    metric("tokens_per_second", "gauge", "Generated tokens per second over the last 10 s.", stats.tokens_per_s())
+    metric("tokens_per_step", "gauge", "Generated tokens per denoising step, finished requests.",
+           stats.generated_tokens / max(stats.steps, 1))
+    metric("nfe_per_request", "gauge", "Forward passes per finished request.",
+           stats.nfe / max(finished - stats.finished["abort"] - stats.finished["error"], 1))
+    metric("kv_cache_rows", "gauge", "KV-cache capacity in token rows (0 before the first cached request).",
+           stats.kv_cache_rows)
+    metric("kv_cache_usage_ratio", "gauge", "Fraction of KV-cache rows held by requests.",
+           stats.kv_cache_used / max(stats.kv_cache_rows, 1))
+    return "\n".join(lines) + "\n"
+
+
+def warm_up(llm: LLM, defaults: ServerDefaults):
+    """One request with the server's defaults before serving: allocations, kernel compilation and CUDA graphs
+    happen here, not in the first client's latency."""
+    from ..sampling_params import SamplingParams
+
+    probe = llm.encode("Hello") if llm.tokenizer is not None else [1, 2, 3, 4]
+    params = SamplingParams(method=defaults.method, max_tokens=defaults.max_tokens,
+                            block_length=defaults.block_length, **defaults.knobs)
+    llm.generate([probe], params, use_tqdm=False)
+
+
+def serve(llm: LLM, config: ServeConfig, host: str = "127.0.0.1", port: int = 8000):
+    import uvicorn
+
+    warm_up(llm, config.defaults)
+    uvicorn.run(build_app(llm, config), host=host, port=port, log_level="info", timeout_graceful_shutdown=5)

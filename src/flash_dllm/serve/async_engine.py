@@ -1,0 +1,202 @@
+"""One engine loop shared by every HTTP request.
+
+The engine runs on its own thread (the device work releases the GIL, so the event loop keeps serving). The
+event loop hands it requests and aborts through an inbox; the thread admits them between steps, steps the
+running batch, and posts each request's events back to its asyncio queue: `Accepted` or `Rejected` first,
+then `Prefix` (the output's final tokens so far, streaming requests only) and at last `Finished` or
+`Failed`. A request whose client goes away is aborted: its rows and cache range are freed at the next step,
+and no other request notices.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..engine.sequence import Sequence
+from ..llm import LLM
+from ..sampling_params import SamplingParams
+
+log = logging.getLogger("flash_dllm.serve")
+
+
+@dataclass
+class Accepted:
+    pass
+
+
+@dataclass
+class Rejected:
+    message: str  # the request can never run (e.g. the KV cache can never hold it): a 400
+
+
+@dataclass
+class Prefix:
+    token_ids: list[int]  # the output's final tokens so far (grows step by step)
+
+
+@dataclass
+class Finished:
+    seq: Sequence
+
+
+@dataclass
+class Failed:
+    message: str  # the engine failed while this request ran: a 500
+
+
+@dataclass(eq=False)
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    seq: Sequence | None = None
+    sent_length: int = 0  # tokens of the final prefix already posted
+
+
+@dataclass
+class Stats:
+    """Counters for /metrics, written by the engine thread (single writer)."""
+
+    finished: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0, "error": 0})
+    rejected: int = 0
+    generated_tokens: int = 0
+    steps: int = 0          # denoising steps of finished requests
+    nfe: int = 0            # forward passes of finished requests
+    iterations: int = 0     # engine steps
+    running: int = 0
+    waiting: int = 0
+    kv_cache_rows: int = 0
+    kv_cache_used: int = 0
+    recent: deque = field(default_factory=deque)  # (finish time, tokens) of the last minute
+
+    def tokens_per_s(self, window_s: float = 10.0) -> float:
+        now = time.perf_counter()
+        return sum(tokens for when, tokens in list(self.recent) if now - when <= window_s) / window_s
+
+
+class AsyncEngine:
+    def __init__(self, llm: LLM):
+        self.llm = llm
+        self.engine = llm.engine
+        self.stats = Stats()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._stop = threading.Event()
+        self._active: dict[Sequence, tuple[Request, asyncio.AbstractEventLoop]] = {}
+        self._thread = threading.Thread(target=self._loop, name="flash-dllm-engine", daemon=True)
+
+    def start(self):
+        self._thread.start()
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def shutdown(self):
+        self._stop.set()
+        self._wakeup.set()
+        self._thread.join()
+
+    async def submit(self, request: Request) -> Accepted | Rejected:
+        """Queue a request for the engine thread; returns once it is queued there or rejected."""
+        self._inbox.put(("add", request, asyncio.get_running_loop()))
+        self._wakeup.set()
+        return await request.events.get()
+
+    def abort(self, request: Request):
+        self._inbox.put(("abort", request, None))
+        self._wakeup.set()
+
+    # The engine thread.
+
+    def _post(self, request: Request, loop: asyncio.AbstractEventLoop, event):
+        loop.call_soon_threadsafe(request.events.put_nowait, event)
+
+    def _drain_inbox(self):
+        while True:
+            try:
+                kind, request, loop = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                try:
+                    request.seq = self.engine.add_request(request.prompt_ids, request.params)
+                except ValueError as error:
+                    self.stats.rejected += 1
+                    self._post(request, loop, Rejected(str(error)))
+                    continue
+                self._active[request.seq] = (request, loop)
+                self._post(request, loop, Accepted())
+            elif request.seq in self._active:  # abort: a finished request is already gone
+                del self._active[request.seq]
+                self.engine.abort([request.seq])
+                self.stats.finished["abort"] += 1
+
+    def _loop(self):
+        self._serve()
+        self._drain_inbox()
+        self._fail_all("the server is shutting down")
+
+    def _serve(self):
+        while not self._stop.is_set():
+            self._drain_inbox()
+            self._update_gauges()
+            if not self.engine.has_unfinished():
+                self._wakeup.wait()
+                self._wakeup.clear()
+                continue
+            try:
+                finished = self.engine.step()
+                streaming = [(seq, *self._active[seq]) for seq in self.engine.running
+                             if not seq.is_finished and seq in self._active and self._active[seq][0].stream]
+                self._post_prefixes(streaming)
+            except Exception as error:  # a device or engine failure: fail what runs now, keep serving
+                log.exception("engine step failed")
+                self._fail_all(f"the engine failed: {type(error).__name__}: {error}")
+                continue
+            self.stats.iterations += 1
+            for seq in finished:
+                if seq not in self._active:
+                    continue
+                request, loop = self._active.pop(seq)
+                self._count(seq)
+                self._post(request, loop, Finished(seq))
+            self._update_gauges()
+
+    def _post_prefixes(self, streaming: list):
+        grown = [(seq, request, loop) for seq, request, loop in streaming if seq.final_length > request.sent_length]
+        for (seq, request, loop), ids in zip(grown, self.engine.final_prefixes([seq for seq, _, _ in grown])):
+            request.sent_length = len(ids)
+            self._post(request, loop, Prefix(ids))
+
+    def _fail_all(self, message: str):
+        seqs = list(self._active)
+        self.engine.abort(seqs)
+        for seq in seqs:
+            request, loop = self._active.pop(seq)
+            self.stats.finished["error"] += 1
+            self._post(request, loop, Failed(message))
+
+    def _count(self, seq: Sequence):
+        stats = self.stats
+        stats.finished[seq.finish_reason] += 1
+        stats.generated_tokens += len(seq.output_ids)
+        stats.steps += seq.steps
+        stats.nfe += seq.nfe
+        now = time.perf_counter()
+        stats.recent.append((now, len(seq.output_ids)))
+        while stats.recent and now - stats.recent[0][0] > 60:
+            stats.recent.popleft()
+
+    def _update_gauges(self):
+        stats, engine = self.stats, self.engine
+        stats.running = sum(not seq.is_finished for seq in engine.running)
+        stats.waiting = len(engine.scheduler.waiting)
+        if engine.allocator is not None:
+            stats.kv_cache_rows = engine.allocator.num_rows
+            stats.kv_cache_used = engine.allocator.num_rows - engine.allocator.num_free

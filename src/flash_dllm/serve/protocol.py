@@ -1,0 +1,156 @@
+"""The OpenAI request bodies we accept, and how one becomes SamplingParams.
+
+Fields are strict (a string is not an int); a field OpenAI defines that we cannot honour is accepted only at
+its neutral value (n=1, top_p=1, no logprobs ...), so a client never gets silently different semantics. The
+decoding method and its knobs are extra top-level fields named as in SamplingParams; any other extra field
+is an error naming it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict
+
+from ..decoding.registry import method_of
+from ..sampling_params import SamplingParams, knobs
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    role: Literal["system", "user", "assistant"]
+    content: Union[str, list[TextPart]]
+    name: str | None = None
+
+    def as_dict(self) -> dict:
+        content = self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+        return {"role": self.role, "content": content}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    include_usage: bool = False
+
+
+class CommonRequest(BaseModel):
+    """Fields both endpoints take. Extra fields are the decoding method's knobs."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    seed: int | None = None
+    stop: Union[str, list[str], None] = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # OpenAI fields accepted only at their neutral values.
+    n: int = 1
+    top_p: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    # flash-dllm's own: the method, its block length, and the output's token ids.
+    method: str | None = None
+    block_length: int | None = None
+    return_token_ids: bool = False
+
+    def unsupported(self) -> str | None:
+        """The first OpenAI field set to a value we cannot honour, as an error message."""
+        neutral = {"n": 1, "top_p": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+        for name, value in neutral.items():
+            if getattr(self, name) != value:
+                return f"{name}={getattr(self, name)} is not supported (only {value})"
+        if self.logit_bias:
+            return "logit_bias is not supported"
+        return self._unsupported()
+
+    def _unsupported(self) -> str | None:
+        return None
+
+    @property
+    def stops(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return [s for s in stops if s]
+
+
+class CompletionRequest(CommonRequest):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def _unsupported(self) -> str | None:
+        if self.logprobs is not None:
+            return "logprobs is not supported"
+        if self.best_of not in (None, 1):
+            return f"best_of={self.best_of} is not supported (only 1)"
+        if self.suffix:
+            return "suffix is not supported"
+        return None
+
+    @property
+    def prompts(self) -> list:
+        """One entry per choice: a string or a token-id list."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+            return [prompt]
+        return list(prompt)
+
+
+class ChatCompletionRequest(CommonRequest):
+    messages: list[Message]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+
+    def _unsupported(self) -> str | None:
+        if self.logprobs:
+            return "logprobs is not supported"
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            return "give max_tokens or max_completion_tokens, not both"
+        return None
+
+
+@dataclass(frozen=True)
+class ServerDefaults:
+    """The server's defaults for the fields a request leaves out (`flash-dllm serve`'s decoding flags)."""
+
+    method: str
+    max_tokens: int
+    block_length: int
+    temperature: float = 0.0
+    seed: int = 0
+    knobs: dict[str, Any] = field(default_factory=dict)  # knob values given on the command line
+
+    @classmethod
+    def from_params(cls, params: SamplingParams, given_knobs: dict[str, Any]) -> ServerDefaults:
+        return cls(params.method, params.max_tokens, params.block_length, params.temperature, params.seed,
+                   dict(given_knobs))
+
+
+def sampling_params(request: CommonRequest, defaults: ServerDefaults) -> SamplingParams:
+    """The request's SamplingParams: its fields over the server's defaults. The server's knob defaults apply
+    where the request's method reads them; a knob the request gives must be one its method reads."""
+    extras = dict(request.model_extra or {})
+    for name in extras:
+        if name not in knobs():
+            raise ValueError(f"unknown field {name!r}")
+    method = request.method or defaults.method
+    reads = {f.name for f in dataclasses.fields(method_of(method).Settings)}
+    given = {name: value for name, value in defaults.knobs.items() if name in reads} | extras
+    max_tokens = request.max_tokens
+    if isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None:
+        max_tokens = request.max_completion_tokens
+    pick = lambda value, default: default if value is None else value
+    return SamplingParams(method=method, max_tokens=pick(max_tokens, defaults.max_tokens),
+                          block_length=pick(request.block_length, defaults.block_length),
+                          temperature=pick(request.temperature, defaults.temperature),
+                          seed=pick(request.seed, defaults.seed), **given)

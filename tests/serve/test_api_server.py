@@ -1,0 +1,279 @@
+"""The OpenAI-compatible server, tested over a loopback port with httpx and the official openai client."""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import threading
+
+import httpx
+import openai
+import pytest
+
+from flash_dllm import LLM, SamplingParams
+from flash_dllm.cache import KVCache
+
+# Completion prompts are raw text: the embedded model's chat template written out.
+TEMPLATE = "<|startoftext|><|start_header_id|>user<|end_header_id|>\n\n{}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+QUESTION_TEXT = "Tom has 3 apples. Anna has 4 more apples than Tom. How many apples does Anna have?"
+QUESTION = TEMPLATE.format(QUESTION_TEXT)
+PROGRAM = TEMPLATE.format("What does this program print?\na = 2\na = a * 3\nfor x in range(3):\n    a = a + x\nprint(a)")
+# A request that runs for seconds: one token per step in random order, and done only when every position
+# before the first eos is decoded.
+SLOW = {"method": "reference", "remasking": "random", "max_tokens": 512, "block_length": 512, "steps": 512}
+MESSAGES = [{"role": "user", "content": QUESTION_TEXT}]
+
+
+@pytest.fixture(scope="module")
+def offline():
+    """A second LLM for expected outputs: the server's engine belongs to its own thread."""
+    return LLM(device="cpu", dtype="float32")
+
+
+def expected(offline: LLM, prompt, **fields) -> str:
+    params = SamplingParams(**{"method": "parallel", "max_tokens": 32, "block_length": 8, **fields})
+    ids = offline.tokenizer.encode(prompt) if isinstance(prompt, str) else offline.encode(prompt)
+    return offline.generate([ids], params, use_tqdm=False)[0].text
+
+
+def stream_events(client: httpx.Client, path: str, body: dict) -> list:
+    with client.stream("POST", path, json={**body, "stream": True}) as response:
+        assert response.status_code == 200, response.read()
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line[len("data: "):]) for line in lines[:-1]]
+
+
+def test_completion_equals_offline_generate(client, offline):
+    body = client.post("/v1/completions", json={"model": "embedded", "prompt": QUESTION}).json()
+    choice = body["choices"][0]
+    assert body["object"] == "text_completion" and choice["finish_reason"] in ("stop", "length")
+    assert choice["text"] == expected(offline, QUESTION)
+    assert body["usage"]["prompt_tokens"] == len(offline.tokenizer.encode(QUESTION))
+
+
+def test_chat_uses_the_chat_template(client, offline):
+    body = client.post("/v1/chat/completions", json={"messages": MESSAGES}).json()
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": expected(offline, MESSAGES)}
+    assert body["usage"]["prompt_tokens"] == len(offline.tokenizer.encode(QUESTION))
+
+
+def test_method_and_knobs_are_request_fields(client, offline):
+    fields = {"method": "flash-cache", "tracking_budget": 4, "mask_window": 8, "threshold": 0.7}
+    body = client.post("/v1/completions", json={"prompt": PROGRAM, **fields}).json()
+    assert body["choices"][0]["text"] == expected(offline, PROGRAM, **fields)
+    error = client.post("/v1/completions", json={"prompt": PROGRAM, "method": "parallel", "tracking_budget": 4})
+    assert error.status_code == 400 and "tracking_budget applies to method" in error.json()["error"]["message"]
+
+
+def test_several_prompts_in_one_completion(client, offline):
+    body = client.post("/v1/completions", json={"prompt": [QUESTION, PROGRAM], "seed": 3}).json()
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert [c["text"] for c in body["choices"]] == [expected(offline, QUESTION, seed=3),
+                                                    expected(offline, PROGRAM, seed=3)]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_stream_is_in_order_and_equals_the_full_text(client, path):
+    body = {"prompt": QUESTION} if path == "/v1/completions" else {"messages": MESSAGES}
+    body["max_tokens"] = 64
+    full = client.post(path, json=body).json()["choices"][0]
+    chunks = stream_events(client, path, body)
+    if path == "/v1/completions":
+        pieces = [c["choices"][0]["text"] for c in chunks]
+        text = full["text"]
+    else:
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+        pieces = [c["choices"][0]["delta"].get("content", "") for c in chunks]
+        text = full["message"]["content"]
+    assert "".join(pieces) == text
+    assert sum(bool(p) for p in pieces) >= 2, "the text should arrive in several chunks"
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    assert chunks[-1]["choices"][0]["finish_reason"] == full["finish_reason"]
+
+
+def test_stop_strings_cut_streamed_and_full_text_alike(client):
+    body = {"prompt": QUESTION, "max_tokens": 64}
+    text = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    stop = text.split()[2]
+    cut = client.post("/v1/completions", json={**body, "stop": [stop]}).json()["choices"][0]
+    assert cut["text"] == text[:text.index(stop)] and cut["finish_reason"] == "stop"
+    chunks = stream_events(client, "/v1/completions", {**body, "stop": stop})
+    assert "".join(c["choices"][0]["text"] for c in chunks) == cut["text"]
+
+
+def test_stream_usage_and_token_ids(client):
+    chunks = stream_events(client, "/v1/completions", {"prompt": QUESTION, "return_token_ids": True,
+                                                       "stream_options": {"include_usage": True}})
+    usage = chunks[-1]["usage"]
+    ids = [i for c in chunks[:-1] for i in c["choices"][0]["token_ids"]]
+    assert chunks[-1]["choices"] == [] and usage["completion_tokens"] == len(ids) and usage["nfe"] > 0
+
+
+def test_openai_client(server, offline):
+    client = openai.OpenAI(base_url=server + "/v1", api_key="unused")
+    assert [m.id for m in client.models.list().data] == ["embedded"]
+    completion = client.completions.create(model="embedded", prompt=QUESTION, max_tokens=32)
+    assert completion.choices[0].text == expected(offline, QUESTION)
+    messages = MESSAGES
+    chat = client.chat.completions.create(model="embedded", messages=messages, max_tokens=32,
+                                          extra_body={"method": "dual-cache"})
+    assert chat.choices[0].message.content == expected(offline, messages, method="dual-cache")
+    stream = client.chat.completions.create(model="embedded", messages=messages, max_tokens=32, stream=True)
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in stream) == expected(offline, messages)
+    with pytest.raises(openai.BadRequestError, match="threshold"):
+        client.completions.create(model="embedded", prompt=QUESTION, extra_body={"threshold": float("-1")})
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt=QUESTION)
+
+
+BAD_REQUESTS = [
+    ("/v1/completions", b"{not json", "not valid JSON"),
+    ("/v1/completions", {"prompt": QUESTION, "max_tokens": "32"}, "max_tokens"),
+    ("/v1/completions", {"prompt": QUESTION, "max_tokens": 32.0}, "max_tokens"),
+    ("/v1/completions", {"prompt": QUESTION, "max_tokens": -8}, "max_tokens must be positive"),
+    ("/v1/completions", {"prompt": QUESTION, "max_tokens": 30}, "multiple of block_length"),
+    ("/v1/completions", {"prompt": QUESTION, "temperature": -1.0}, "temperature"),
+    ("/v1/completions", {"prompt": QUESTION, "seed": 2 ** 64}, "seed"),
+    ("/v1/completions", {"prompt": QUESTION, "threshold": "high"}, "threshold"),
+    ("/v1/completions", {"prompt": QUESTION, "method": "nope"}, "unknown method 'nope'"),
+    ("/v1/completions", {"prompt": QUESTION, "top_k": 5}, "unknown field 'top_k'"),
+    ("/v1/completions", {"prompt": QUESTION, "n": 2}, "n=2 is not supported"),
+    ("/v1/completions", {"prompt": QUESTION, "logprobs": 1}, "logprobs"),
+    ("/v1/completions", {"prompt": ""}, "the prompt is empty"),
+    ("/v1/completions", {"prompt": []}, "prompt"),
+    ("/v1/completions", {"prompt": [5, 10 ** 9]}, "outside the vocabulary"),
+    ("/v1/completions", {"prompt": [QUESTION, ""]}, "prompt 1: the prompt is empty"),
+    ("/v1/completions", {"prompt": 42}, "prompt"),
+    ("/v1/completions", {"max_tokens": 32}, "prompt"),
+    ("/v1/completions", {"prompt": [5] * 3000}, "exceed the model's context"),
+    ("/v1/chat/completions", {"messages": []}, "messages is empty"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, "role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "content"),
+    ("/v1/chat/completions", {"messages": "hi"}, "messages"),
+]
+
+
+def test_bad_requests_are_400_while_a_good_one_completes(server, offline):
+    """Every bad input is a 400 naming the culprit; a streaming request running meanwhile is undisturbed."""
+    good: dict = {}
+
+    def run_good():
+        with httpx.Client(base_url=server, timeout=120) as client:
+            good["chunks"] = stream_events(client, "/v1/completions", {"prompt": PROGRAM, "max_tokens": 64})
+
+    thread = threading.Thread(target=run_good)
+    thread.start()
+    with httpx.Client(base_url=server, timeout=120) as client:
+        for path, body, message in BAD_REQUESTS:
+            response = (client.post(path, content=body, headers={"content-type": "application/json"})
+                        if isinstance(body, bytes) else client.post(path, json=body))
+            assert response.status_code == 400, (body, response.text)
+            assert message in response.json()["error"]["message"], (body, response.text)
+        assert client.get("/health").json() == {"status": "ok"}
+    thread.join()
+    text = "".join(c["choices"][0]["text"] for c in good["chunks"])
+    assert text == expected(offline, PROGRAM, max_tokens=64)
+
+
+def metric(client: httpx.Client, line: str) -> float:
+    return float(next(row for row in client.get("/metrics").text.splitlines() if row.startswith(line + " ")).split()[1])
+
+
+def test_disconnect_mid_stream_frees_the_rows(server, client, offline):
+    aborted = 'flash_dllm_requests_total{outcome="abort"}'
+    before = metric(client, aborted)
+    with httpx.Client(base_url=server, timeout=120) as first:
+        with first.stream("POST", "/v1/completions", json={"prompt": QUESTION, **SLOW, "stream": True}):
+            pass  # the headers arrived, so the request runs; then the client goes away
+    # The abandoned request is aborted rather than run to its end, and the next one completes normally.
+    for _ in range(100):
+        if metric(client, aborted) > before:
+            break
+        threading.Event().wait(0.05)
+    assert metric(client, aborted) == before + 1
+    assert client.post("/v1/completions", json={"prompt": PROGRAM}).json()["choices"][0]["text"] == \
+        expected(offline, PROGRAM)
+    assert metric(client, "flash_dllm_requests_running") == 0
+
+
+def test_metrics(client):
+    client.post("/v1/completions", json={"prompt": QUESTION, "method": "flash-cache"})
+    text = client.get("/metrics").text
+    for name in ("requests_total", "requests_waiting", "tokens_per_second", "nfe_total", "tokens_per_step",
+                 "kv_cache_usage_ratio", "generated_tokens_total"):
+        assert f"# TYPE flash_dllm_{name} " in text
+    rows = next(line for line in text.splitlines() if line.startswith("flash_dllm_kv_cache_rows "))
+    assert float(rows.split()[1]) > 0
+
+
+def test_queue_bound_answers_429(start_server):
+    llm = LLM(device="cpu", dtype="float32", max_batch_size=1)
+    with start_server(llm, max_queue=1) as url:
+        body = {"prompt": QUESTION, **SLOW}
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            with httpx.Client(base_url=url, timeout=120) as client:
+                with client.stream("POST", "/v1/completions", json={**body, "stream": True}):  # accepted: it runs
+                    queued = pool.submit(httpx.post, url + "/v1/completions", json={"prompt": PROGRAM}, timeout=120)
+                    for _ in range(100):  # until the second request holds the queue's one place
+                        metrics = client.get("/metrics").text
+                        if "flash_dllm_requests_running 1" in metrics and "flash_dllm_requests_waiting 1" in metrics:
+                            break
+                        threading.Event().wait(0.05)
+                    refused = client.post("/v1/completions", json={"prompt": PROGRAM})
+                    assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+                    assert "capacity" in refused.json()["error"]["message"]
+            assert queued.result().status_code == 200
+
+
+def test_request_that_can_never_fit_the_cache_is_400(start_server, offline):
+    rows = 64
+    llm = LLM(device="cpu", dtype="float32", kv_cache_bytes=rows * KVCache.bytes_per_row(offline.config, offline.dtype))
+    with start_server(llm) as url, httpx.Client(base_url=url, timeout=120) as client:
+        response = client.post("/v1/completions", json={"prompt": QUESTION, "method": "dual-cache", "max_tokens": 64})
+        assert response.status_code == 400 and "can never fit in a KV cache" in response.json()["error"]["message"]
+        small = client.post("/v1/completions", json={"prompt": [5, 6], "method": "dual-cache", "max_tokens": 32})
+        assert small.status_code == 200
+
+
+def test_api_key(start_server, offline):
+    with start_server(offline.__class__(device="cpu", dtype="float32"), api_key="sesame") as url:
+        assert httpx.post(url + "/v1/completions", json={"prompt": QUESTION}).status_code == 401
+        wrong = httpx.get(url + "/v1/models", headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401 and "API key" in wrong.json()["error"]["message"]
+        assert httpx.get(url + "/health").status_code == 200
+        client = openai.OpenAI(base_url=url + "/v1", api_key="sesame")
+        assert client.completions.create(model="embedded", prompt=QUESTION, max_tokens=32).choices[0].text
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url + "/v1", api_key="wrong").models.list()
+
+
+def test_client_that_gives_up_on_a_full_response_is_aborted(server, client):
+    aborted = 'flash_dllm_requests_total{outcome="abort"}'
+    before = metric(client, aborted)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server + "/v1/completions", json={"prompt": QUESTION, **SLOW}, timeout=1.0)
+    for _ in range(100):
+        if metric(client, aborted) > before:
+            break
+        threading.Event().wait(0.05)
+    assert metric(client, aborted) == before + 1
+
+
+def test_an_engine_failure_fails_the_running_requests_only(start_server):
+    """A failing step answers 500 to the requests it ran; the server keeps serving."""
+    llm = LLM(device="cpu", dtype="float32")
+    step, calls = llm.engine.step, []
+
+    def fail_once():
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("simulated device fault")
+        return step()
+
+    llm.engine.step = fail_once
+    with start_server(llm) as url, httpx.Client(base_url=url, timeout=120) as client:
+        failed = client.post("/v1/completions", json={"prompt": QUESTION, "max_tokens": 64, "threshold": 1.0})
+        assert failed.status_code == 500 and "simulated device fault" in failed.json()["error"]["message"]
+        assert client.post("/v1/completions", json={"prompt": PROGRAM}).status_code == 200
+        assert metric(client, 'flash_dllm_requests_total{outcome="error"}') == 1
