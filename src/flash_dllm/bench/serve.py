@@ -108,7 +108,10 @@ async def run(config: ServeBenchConfig) -> ServeBenchResult:
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     limits = httpx.Limits(max_connections=config.clients + 1)
     async with httpx.AsyncClient(base_url=config.url, timeout=600, limits=limits, headers=headers) as client:
-        health = await client.get("/health")
+        try:
+            health = await client.get("/health")
+        except httpx.ConnectError:
+            raise ValueError(f"no server answers at {config.url} (start one with `flash-dllm serve`)") from None
         if health.status_code != 200:
             raise ValueError(f"{config.url}/health answered {health.status_code}")
         counter = iter(range(1 << 62))
