@@ -19,7 +19,8 @@ def test_generate_prompts_and_file(gqa_checkpoint, tmp_path, capsys):
                  "--steps", "8", "--json", "--no-progress"])
     captured = capsys.readouterr()
     assert code == 0
-    lines = [json.loads(line) for line in captured.out.splitlines()]
+    lines = sorted((json.loads(line) for line in captured.out.splitlines()), key=lambda line: line["index"])
+    assert [line["index"] for line in lines] == [0, 1, 2] and not any("error" in line for line in lines)
     assert [line["prompt"] for line in lines] == ["Tom has 3 apples.", "What is 3 + 4?", [0, 5, 6]]
     assert all(line["steps"] <= 8 for line in lines)
     assert "tokens/s" in captured.err and "tokens per step" in captured.err
@@ -27,7 +28,7 @@ def test_generate_prompts_and_file(gqa_checkpoint, tmp_path, capsys):
 
 def test_generate_on_embedded_model(capsys):
     assert main(["generate", "Hello", "--device", "cpu", "--max-tokens", "16", "--block-length", "8"]) == 0
-    assert "--- request 0" in capsys.readouterr().out
+    assert "--- request 0 (argument 1, " in capsys.readouterr().out
 
 
 def test_info(capsys):
@@ -104,24 +105,43 @@ def test_bench_step_on_cpu(capsys):
     assert all(r["passes/iter"] == "2.00" for r in rows if r["method"] == "flash-verify")  # draft + verify
 
 
-BAD_INPUTS = [
-    ("prompts.jsonl", b'{"prompt": "ok"}\n{"prompt": "unclosed\n', "prompts.jsonl:2: not valid JSON"),
-    ("prompts.jsonl", b'{"prompt": "ok"}\n[1, 2]\n', "prompts.jsonl:2: expected an object with a prompt"),
-    ("prompts.txt", b"fine\nbad \xff byte\n", "prompts.txt:2: not valid UTF-8"),
+BAD_LINES = [  # a good line, then a bad one: the good prompt finishes, the bad one is reported with file:line
+    ("prompts.jsonl", b'{"prompt": "ok"}\n{"prompt": "unclosed\n', "not valid JSON (Unterminated string"),
+    ("prompts.jsonl", b'{"prompt": "ok"}\n[1, 2]\n', "expected an object with a prompt, messages or prompt_token_ids"),
+    ("prompts.jsonl", b'{"prompt": "ok"}\n{"prompt_token_ids": "1 2"}\n', "prompt_token_ids must be a list, got str"),
+    ("prompts.txt", b"fine\nbad \xff byte\n", "not valid UTF-8 (byte 5)"),
 ]
 
 
-@pytest.mark.parametrize("name, content, message", BAD_INPUTS, ids=["json", "not-an-object", "utf8"])
-def test_bad_prompt_files_name_file_and_line(tmp_path, capsys, name, content, message):
+@pytest.mark.parametrize("name, content, message", BAD_LINES, ids=["json", "not-an-object", "wrong-type", "utf8"])
+def test_bad_prompt_lines_fail_alone(gqa_checkpoint, tmp_path, capsys, name, content, message):
     (tmp_path / name).write_bytes(content)
-    assert main(["generate", "--file", str(tmp_path / name), "--device", "cpu", "--no-progress"]) == 2
-    err = capsys.readouterr().err
-    assert message in err and err.count("\n") == 1
+    code = main(["generate", "--file", str(tmp_path / name), "--model", str(gqa_checkpoint), "--device", "cpu",
+                 "--max-tokens", "8", "--block-length", "8", "--json"])
+    captured = capsys.readouterr()
+    assert code == 1
+    error, summary = captured.err.splitlines()
+    assert error.startswith(f"flash-dllm: error: prompt 1 ({tmp_path / name}:2): {message}")
+    assert summary.startswith("1 requests (1 failed), ")
+    good, bad = sorted((json.loads(line) for line in captured.out.splitlines()), key=lambda line: line["index"])
+    assert good["finish_reason"] == "length" and "error" not in good
+    assert (bad["finish_reason"], bad["prompt"]) == ("error", None)
+    assert bad["error"] == error.removeprefix("flash-dllm: error: ")
+
+
+def test_blank_lines_are_skipped(gqa_checkpoint, tmp_path, capsys):
+    (tmp_path / "prompts.txt").write_text("\none\n   \ntwo\n")
+    assert main(["generate", "--file", str(tmp_path / "prompts.txt"), "--model", str(gqa_checkpoint), "--device",
+                 "cpu", "--max-tokens", "8", "--block-length", "8"]) == 0
+    out = capsys.readouterr().out
+    assert f"({tmp_path}/prompts.txt:2, " in out and f"({tmp_path}/prompts.txt:4, " in out
 
 
 def test_one_line_errors_for_bad_arguments_and_configs(tmp_path, capsys):
-    assert main(["generate", "bad \udcff", "--device", "cpu"]) == 2  # argv's escape for a non-UTF-8 byte
-    assert "prompt argument 1 is not valid UTF-8" in capsys.readouterr().err
+    assert main(["generate", "fine", "bad \udcff", "--device", "cpu", "--max-tokens", "8", "--block-length", "8"]) == 1
+    captured = capsys.readouterr()  # argv's escape for a non-UTF-8 byte: that prompt fails alone
+    assert captured.err.splitlines()[0] == "flash-dllm: error: prompt 1 (argument 2): not valid UTF-8"
+    assert "--- request 0 (argument 1, " in captured.out
     assert main(["generate", "hi", "--device", "tpu:0"]) == 2
     assert "unknown device 'tpu:0'" in capsys.readouterr().err
     if not torch.cuda.is_available():

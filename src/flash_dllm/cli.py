@@ -1,8 +1,9 @@
-"""The `flash-dllm` command: generate, info, bench, demo, eval, sweep."""
+"""The `flash-dllm` command: generate, serve, info, bench, demo, eval, sweep."""
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -20,6 +21,8 @@ def add_model_args(parser: argparse.ArgumentParser):
                         help="Triton kernels for the cached methods (default: on with CUDA); off = PyTorch reference")
     parser.add_argument("--cuda-graphs", choices=["on", "off"], default=None,
                         help="replay repeating cached passes from CUDA graphs (default: on with the kernels on CUDA)")
+    parser.add_argument("--kv-cache-bytes", type=int, default=None,
+                        help="KV cache budget of the cached methods (default: 40%% of free GPU memory, 1 GiB on CPU)")
 
 
 def llm_from_args(args, default_device: str | None = None, **options):
@@ -28,7 +31,7 @@ def llm_from_args(args, default_device: str | None = None, **options):
 
     on_off = lambda value: None if value is None else value == "on"
     return LLM(args.model, device=args.device or default_device, dtype=args.dtype, kernels=on_off(args.kernels),
-               cuda_graphs=on_off(args.cuda_graphs), **options)
+               cuda_graphs=on_off(args.cuda_graphs), kv_cache_bytes=args.kv_cache_bytes, **options)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser):
@@ -54,16 +57,18 @@ def sampling_params_from_args(args) -> SamplingParams:
                           temperature=args.temperature, seed=args.seed, **given)
 
 
-def read_prompts(args) -> list:
-    """The prompt arguments, then the file's: one per line, or per jsonl line a prompt, messages or
-    prompt_token_ids; an error names the argument or file:line."""
+def read_prompts(args) -> list[tuple[str, object, str | None]]:
+    """(where, prompt, problem) for the prompt arguments, then the file's non-blank lines: one prompt per line,
+    or per jsonl line an object with a prompt, messages or prompt_token_ids. `where` names the argument or
+    file:line; a line that cannot be read has a problem instead of a prompt, and fails alone."""
     prompts = []
     for number, prompt in enumerate(args.prompts, 1):
         try:
             prompt.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ValueError(f"prompt argument {number} is not valid UTF-8") from None
-        prompts.append(prompt)
+        except UnicodeEncodeError:  # argv's escape for a byte that is not UTF-8
+            prompts.append((f"argument {number}", None, "not valid UTF-8"))
+            continue
+        prompts.append((f"argument {number}", prompt, None))
     if args.file:
         path = Path(args.file)
         if not path.is_file():
@@ -71,48 +76,95 @@ def read_prompts(args) -> list:
         for number, raw in enumerate(path.read_bytes().splitlines(), 1):
             try:
                 line = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                raise ValueError(f"{path}:{number}: not valid UTF-8") from None
+            except UnicodeDecodeError as e:
+                prompts.append((f"{path}:{number}", None, f"not valid UTF-8 (byte {e.start + 1})"))
+                continue
             if line.strip():
-                prompts.append(_jsonl_prompt(line, f"{path}:{number}") if path.suffix == ".jsonl" else line)
+                prompt, problem = _jsonl_prompt(line) if path.suffix == ".jsonl" else (line, None)
+                prompts.append((f"{path}:{number}", prompt, problem))
     if not prompts:
         raise ValueError("no prompts: give them as arguments or with --file")
     return prompts
 
 
-def _jsonl_prompt(line: str, where: str):
+JSONL_KEYS = {"prompt": str, "messages": list, "prompt_token_ids": list}
+
+
+def _jsonl_prompt(line: str) -> tuple[object, str | None]:
+    """A jsonl line's prompt, or None and what is wrong with the line."""
     try:
         item = json.loads(line)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: not valid JSON ({e.msg}, column {e.colno})") from None
-    keys = ("prompt", "messages", "prompt_token_ids")
-    if not isinstance(item, dict) or not any(key in item for key in keys):
-        raise ValueError(f"{where}: expected an object with a prompt, messages or prompt_token_ids key")
-    return next(item[key] for key in keys if key in item)
+        return None, f"not valid JSON ({e.msg}, column {e.colno})"
+    key = next((key for key in JSONL_KEYS if isinstance(item, dict) and key in item), None)
+    if key is None:
+        return None, "expected an object with a prompt, messages or prompt_token_ids key"
+    if not isinstance(item[key], JSONL_KEYS[key]):
+        return None, f"{key} must be a {JSONL_KEYS[key].__name__}, got {type(item[key]).__name__}"
+    return item[key], None
 
 
-def cmd_generate(args):
+def cmd_generate(args) -> int:
+    """Each result is printed as it finishes; a prompt that fails is reported on stderr (its index and
+    argument or file:line) while the others run. Exit code 1 if any failed, 130 on an interrupt."""
+    from .llm import RequestOutput
+
     params = sampling_params_from_args(args)
     prompts = read_prompts(args)
     llm = llm_from_args(args, max_batch_size=args.batch_size,
                         chat_template=False if args.no_chat_template else None)
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
-    wall = time.perf_counter() - start
-    for out in outputs:
+    printed: list[RequestOutput] = []
+
+    def emit(out: RequestOutput):
+        printed.append(out)
+        if out.error is not None:
+            print(f"flash-dllm: error: {out.error}", file=sys.stderr, flush=True)
         if args.json:
-            print(json.dumps({"prompt": out.prompt, "text": out.text, "token_ids": out.token_ids,
-                              "finish_reason": out.finish_reason, "nfe": out.nfe, "steps": out.steps,
-                              "query_rows": out.query_rows}))
-        else:
-            print(f"--- request {out.request_id} ({out.finish_reason}, {len(out.token_ids)} tokens, "
-                  f"{out.steps} steps, NFE {out.nfe}, {out.query_rows_per_step:.0f} query rows per step)")
-            print(out.text if out.text is not None else out.token_ids)
-    tokens = sum(len(o.token_ids) for o in outputs)
-    steps = sum(o.steps for o in outputs)
-    print(f"{len(outputs)} requests, {tokens} tokens in {wall:.2f} s: {tokens / wall:.1f} tokens/s "
-          f"(no warm-up), NFE {sum(o.nfe for o in outputs) / len(outputs):.1f} per request, "
-          f"{tokens / max(steps, 1):.2f} tokens per step", file=sys.stderr)
+            record = {"index": out.index, "prompt": out.prompt, "text": out.text, "token_ids": out.token_ids,
+                      "finish_reason": out.finish_reason, "nfe": out.nfe, "steps": out.steps,
+                      "query_rows": out.query_rows}
+            print(json.dumps(record if out.error is None else {**record, "error": out.error}), flush=True)
+        elif out.error is None:
+            print(f"--- request {out.index} ({prompts[out.index][0]}, {out.finish_reason}, {len(out.token_ids)} "
+                  f"tokens, {out.steps} steps, NFE {out.nfe}, {out.query_rows_per_step:.0f} query rows per step)")
+            print(out.text if out.text is not None else out.token_ids, flush=True)
+
+    def named(index: int, problem: str) -> str:
+        return f"prompt {index} ({prompts[index][0]}): {problem}"
+
+    runnable = [index for index, (_, _, problem) in enumerate(prompts) if problem is None]
+    for index, (_, _, problem) in enumerate(prompts):
+        if problem is not None:
+            emit(RequestOutput.failed(index, None, named(index, problem)))
+
+    def on_output(out: RequestOutput):  # out.index counts the runnable prompts only
+        index = runnable[out.index]
+        if out.error is not None:
+            out.error = named(index, out.error.removeprefix(f"prompt {out.index}: "))
+        out.index = index
+        emit(out)
+
+    library_log = logging.getLogger("flash_dllm")
+    level = library_log.level
+    library_log.setLevel(logging.ERROR)  # emit() reports each failed prompt, with its argument or file:line
+    start = time.perf_counter()
+    try:
+        llm.generate([prompts[index][1] for index in runnable], params,
+                     use_tqdm=False if args.no_progress else None, on_output=on_output)
+    except KeyboardInterrupt:
+        print(f"flash-dllm: interrupted: {len(printed)} of {len(prompts)} requests finished", file=sys.stderr)
+        return 130
+    finally:
+        library_log.setLevel(level)
+    wall = time.perf_counter() - start
+    done = [out for out in printed if out.error is None]
+    failed = len(printed) - len(done)
+    tokens = sum(len(o.token_ids) for o in done)
+    steps = sum(o.steps for o in done)
+    print(f"{len(done)} requests{f' ({failed} failed)' if failed else ''}, {tokens} tokens in {wall:.2f} s: "
+          f"{tokens / wall:.1f} tokens/s (no warm-up), NFE {sum(o.nfe for o in done) / max(len(done), 1):.1f} "
+          f"per request, {tokens / max(steps, 1):.2f} tokens per step", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def cmd_info(args):
@@ -270,18 +322,58 @@ def cmd_sweep(args):
         shutdown(ctx)
 
 
+def cmd_serve(args):
+    from .serve.api_server import ServeConfig, serve
+    from .serve.protocol import ServerDefaults
+
+    params = sampling_params_from_args(args)  # the server's defaults, checked before the model loads
+    given = {name: getattr(args, name) for name in knobs() if getattr(args, name) is not None}
+    config = ServeConfig(model_name=args.served_model_name or Path(args.model or "default").name,
+                         defaults=ServerDefaults.from_params(params, given), max_queue=args.max_queue,
+                         api_key=args.api_key)
+    llm = llm_from_args(args, max_batch_size=args.max_batch)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        print(f"flash-dllm: warning: serving on {args.host} without --api-key", file=sys.stderr)
+    serve(llm, config, args.host, args.port)
+
+
+def cmd_bench_serve(args):
+    from .bench.serve import HEADER, ServeBenchConfig, bench_serve
+    from .markdown import markdown_table
+
+    try:
+        fields = json.loads(args.fields)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--fields is not valid JSON ({e.msg})") from None
+    if not isinstance(fields, dict):
+        raise ValueError("--fields must be a JSON object of request fields")
+    fields.update({name: getattr(args, name) for name in ("method", "max_tokens", "temperature")
+                   if getattr(args, name) is not None})
+    config = ServeBenchConfig(url=args.url, clients=args.clients, duration_s=args.duration, prompts=args.prompts,
+                              num_prompts=args.num_prompts, prompt_length=args.prompt_length, fields=fields,
+                              api_key=args.api_key)
+    result = bench_serve(config)
+    print(f"# bench serve: {args.url}, {args.clients} clients x {args.duration:.0f} s, {args.prompts} prompts, "
+          f"fields {json.dumps(fields)}")
+    print(markdown_table(HEADER, [result.row()]))
+    for answer in [a for a in result.answers if a.error][:5]:
+        print(f"error: prompt {answer.prompt}: {answer.status} {answer.error}", file=sys.stderr)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flash-dllm", description="Fast inference for diffusion language models")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text for prompts")
     gen.add_argument("prompts", nargs="*", help="prompt strings")
-    gen.add_argument("--file", help="prompts: a text file (one per line) or .jsonl with prompt/messages/prompt_token_ids")
+    gen.add_argument("--file", help="prompts: a text file (one per line) or .jsonl with prompt/messages/"
+                                    "prompt_token_ids (blank lines skipped)")
     add_model_args(gen)
     add_sampling_args(gen)
     gen.add_argument("--batch-size", type=int, default=32, help="most requests decoded together")
     gen.add_argument("--no-chat-template", action="store_true", help="encode string prompts as raw text")
-    gen.add_argument("--json", action="store_true", help="print one JSON object per request")
+    gen.add_argument("--json", action="store_true",
+                     help="print one JSON object per request as it finishes, with its index (and error if it failed)")
     gen.add_argument("--no-progress", action="store_true")
     gen.set_defaults(func=cmd_generate)
 
@@ -317,6 +409,17 @@ def build_parser() -> argparse.ArgumentParser:
         values.add_argument("--" + name.replace("_", "-"), type=knob.type, nargs="+", metavar=name.upper())
     sweep.add_argument("--out-dir", default="sweep", help="sweep.png, sweep.md, sweep.json and points/*.jsonl")
     sweep.set_defaults(func=cmd_sweep)
+
+    srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    add_model_args(srv)
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--max-batch", type=int, default=32, help="most requests decoded together")
+    srv.add_argument("--max-queue", type=int, default=256, help="requests waiting beyond the batch before 429")
+    srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*")
+    srv.add_argument("--served-model-name", help="the model's id in the API (default: the directory's name)")
+    add_sampling_args(srv)  # the defaults of the fields a request leaves out
+    srv.set_defaults(func=cmd_serve)
 
     info = sub.add_parser("info", help="print a model's configuration, parameter count and KV bytes per token")
     info.add_argument("--model", default=None)
@@ -354,17 +457,34 @@ def build_parser() -> argparse.ArgumentParser:
     step.add_argument("--iters", type=int, default=64,
                       help="timed iterations; a multiple of the block lengths times each cache refresh at its rate")
     step.set_defaults(func=cmd_bench)
+    bserve = bench_sub.add_parser("serve", help="concurrent clients against a running server; checks every answer")
+    bserve.add_argument("--url", default="http://127.0.0.1:8000")
+    bserve.add_argument("--clients", type=int, default=64)
+    bserve.add_argument("--duration", type=float, default=60.0, help="seconds of timed load")
+    bserve.add_argument("--prompts", choices=["tasks", "random"], default="tasks",
+                        help="tasks: the embedded tasks' items as chat; random: token ids (a model without tokenizer)")
+    bserve.add_argument("--num-prompts", type=int, default=64, help="distinct prompts (prompt k is sent with seed k)")
+    bserve.add_argument("--prompt-length", type=int, default=256, help="random prompts' length in tokens")
+    bserve.add_argument("--method", help="request field (default: the server's)")
+    bserve.add_argument("--max-tokens", type=int, help="request field (default: the server's)")
+    bserve.add_argument("--temperature", type=float, help="request field (default: the server's)")
+    bserve.add_argument("--fields", default="{}", help='other request fields as JSON, e.g. \'{"threshold": 0.8}\'')
+    bserve.add_argument("--api-key")
+    bserve.set_defaults(func=cmd_bench_serve)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit codes: 0, 1 (some prompt failed), 2 (a usage or input error, one line), 130 (interrupted)."""
     args = build_parser().parse_args(argv)
     try:
-        args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+        return args.func(args) or 0
+    except (ValueError, OSError) as e:  # the user's input: one line, no traceback
         print(f"flash-dllm: error: {e}", file=sys.stderr)
         return 2
-    return 0
+    except KeyboardInterrupt:
+        print("flash-dllm: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -1,16 +1,20 @@
 """The user-facing API: `LLM(model).generate(prompts, SamplingParams(...))`."""
 from __future__ import annotations
 
+import logging
+import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Sequence as SequenceType, Union
+from typing import Callable, Sequence as SequenceType, Union
 
 import torch
 
 from .engine.llm_engine import LLMEngine
 from .engine.model_runner import ModelRunner
+from .engine.sequence import Sequence
 from .models import load_model, random_model
 from .sampling_params import SamplingParams
 from .tokenizer import load_tokenizer, special_tokens
@@ -18,6 +22,8 @@ from .tokenizer import load_tokenizer, special_tokens
 Messages = list[dict]
 Prompt = Union[str, list[int], Messages]
 RANDOM_PREFIX = "random:"
+PROGRESS_MIN_PROMPTS = 16  # a call with more prompts shows a progress bar by default, even off a terminal
+logger = logging.getLogger("flash_dllm")
 
 
 def default_model_path() -> Path:
@@ -27,16 +33,24 @@ def default_model_path() -> Path:
 
 @dataclass
 class RequestOutput:
-    request_id: int
+    request_id: int | None     # the engine's id; None for a prompt that never reached the engine
     prompt: Prompt
     prompt_token_ids: list[int]
-    text: str | None           # None when the model directory has no tokenizer
+    text: str | None           # None when the model directory has no tokenizer, or the request failed
     token_ids: list[int]       # generated tokens, up to and excluding the first eos/eot
-    finish_reason: str         # "stop" (an eos/eot was generated), "length" or "abort"
+    finish_reason: str         # "stop" (an eos/eot was generated), "length", "abort" or "error"
     nfe: int                   # forward passes
     steps: int                 # denoising steps
     query_rows: int            # query rows computed over all forward passes (the whole sequence without cache)
     time_s: float              # wall time from admission to finish
+    index: int = 0             # the prompt's position in its generate call
+    error: str | None = None   # why the request failed (finish_reason "error"): "prompt N: ..."
+
+    @classmethod
+    def failed(cls, index: int, prompt: Prompt, error: str) -> RequestOutput:
+        """The output of a prompt that could not run."""
+        return cls(request_id=None, prompt=prompt, prompt_token_ids=[], text=None, token_ids=[],
+                   finish_reason="error", nfe=0, steps=0, query_rows=0, time_s=0.0, index=index, error=error)
 
     @property
     def tokens_per_step(self) -> float:
@@ -65,8 +79,8 @@ class LLM:
     model: a checkpoint directory, "random:PRESET" (random weights of a named config, built directly on
         the device), or None for the embedded default model.
     chat_template: apply the tokenizer's chat template to string prompts (default: when it has one).
-    kv_cache_bytes: memory for the KV cache of the cached methods (default: 40% of free GPU memory, or
-        1 GiB on the CPU); a request longer than the cache holds is refused with an error.
+    kv_cache_bytes: memory for the KV cache of the cached methods, at least one token's row (default: 40% of
+        free GPU memory, or 1 GiB on the CPU); a request longer than the cache holds fails (alone).
     kernels: run the cached methods' attention through the Triton kernels (fused QKV + RoPE + cache write,
         scheduled flash attention); default: on CUDA. False uses their PyTorch references (same tokens).
     cuda_graphs: replay the cached passes whose shapes repeat from CUDA graphs; default: with the kernels on
@@ -104,7 +118,7 @@ class LLM:
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt: ids as given, messages or (with the chat template on) a string through the
         chat template, or a plain string through the tokenizer."""
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             bad = [t for t in prompt if not 0 <= t < self.config.vocab_size]
             if bad:
                 raise ValueError(f"token id {bad[0]} is outside the vocabulary of {self.config.vocab_size}")
@@ -112,27 +126,31 @@ class LLM:
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer (no tokenizer.json); give prompts as token-id lists")
         if isinstance(prompt, str) and not self.use_chat_template:
-            return self.tokenizer.encode(prompt)
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        if not (isinstance(messages, list) and all(isinstance(m, dict) and {"role", "content"} <= m.keys()
-                                                   for m in messages)):
-            raise ValueError(f"a prompt is a string, a list of token ids or a list of "
-                             f"{{'role', 'content'}} messages, got {type(prompt).__name__}")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def _checked_request(self, index: int, prompt: Prompt, params: SamplingParams) -> list[int]:
-        """A prompt's token ids, checked before any request of the call starts; an error names the prompt."""
+            text, add_special_tokens = prompt, True
+        else:
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+            if not (isinstance(messages, list) and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                       and isinstance(m.get("content"), str) for m in messages)):
+                raise ValueError(f"a prompt is a string, a list of token ids or a list of {{'role': str, "
+                                 f"'content': str}} messages, got {type(prompt).__name__}")
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            add_special_tokens = False
         try:
-            if isinstance(prompt, (str, list)) and not prompt:
-                raise ValueError("the prompt is empty")
-            ids = self.encode(prompt)
-            if len(ids) + params.max_tokens > self.config.max_position:
-                raise ValueError(f"prompt of {len(ids)} tokens + max_tokens {params.max_tokens} exceeds the "
-                                 f"model's maximum sequence length of {self.config.max_position}")
-            self.engine.check_fits(len(ids), params)
-        except ValueError as error:
-            raise ValueError(f"prompt {index}: {error}") from None
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate (from undecodable bytes): the tokenizer raises TypeError
+            raise ValueError("the prompt is not valid UTF-8 text") from None
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def _prompt_ids(self, prompt: Prompt, params: SamplingParams) -> list[int]:
+        """A prompt's token ids, checked against the model's context (the engine checks the KV cache)."""
+        if isinstance(prompt, (str, list)) and not prompt:
+            raise ValueError("the prompt is empty")
+        ids = self.encode(prompt)
+        if not ids:
+            raise ValueError("the prompt encodes to no tokens")
+        if len(ids) + params.max_tokens > self.config.max_position:
+            raise ValueError(f"prompt of {len(ids)} tokens + max_tokens {params.max_tokens} exceeds the "
+                             f"model's maximum sequence length of {self.config.max_position}")
         return ids
 
     def decode(self, token_ids: list[int]) -> str | None:
@@ -140,8 +158,20 @@ class LLM:
 
     def generate(self, prompts: Prompt | SequenceType[Prompt],
                  sampling_params: SamplingParams | SequenceType[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate for one prompt or a list of prompts; one output per prompt, in order."""
+                 use_tqdm: bool | None = None,
+                 on_output: Callable[[RequestOutput], None] | None = None) -> list[RequestOutput]:
+        """Generate for one prompt or a list of prompts; one output per prompt, in order.
+
+        Requests fail alone: a prompt that cannot run (empty, of the wrong type, with a token id outside the
+        vocabulary, longer than the model's context, or too long for the KV cache ever to hold) gets an output
+        with finish_reason "error" and `error` ("prompt N: ..."), logged as a warning, and the other prompts
+        run. Mistakes in the call itself (sampling params of the wrong number or type) raise ValueError.
+        on_output: called with each output as soon as it is final: the failed prompts first, then in finish
+            order. On an exception or interrupt (from the engine or from on_output) the finished outputs have
+            been delivered; the unfinished requests are aborted and the exception propagates.
+        use_tqdm: a progress bar on stderr while the call runs; default: when stderr is a terminal or the call
+            has more than PROGRESS_MIN_PROMPTS prompts.
+        """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, dict))):
             prompts = [prompts]
         prompts = list(prompts)
@@ -150,17 +180,43 @@ class LLM:
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
-        encoded = [self._checked_request(index, prompt, p) for index, (prompt, p) in enumerate(zip(prompts, params))]
-        seqs = [self.engine.add_request(ids, p) for ids, p in zip(encoded, params)]
+        for p in params:
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
+        outputs: list[RequestOutput | None] = [None] * len(prompts)
+        seqs, index_of = [], {}  # this call's requests in the engine; request id -> prompt index
         progress = None
-        if use_tqdm:
-            from tqdm.auto import tqdm
-            progress = tqdm(total=len(seqs), desc="requests", unit="req", dynamic_ncols=True)
-        start, num_steps, num_tokens = time.perf_counter(), 0, 0
+
+        def deliver(out: RequestOutput):
+            if on_output is not None:
+                with progress.external_write_mode() if progress is not None else nullcontext():
+                    on_output(out)  # the bar steps aside for what it prints
+
         try:
+            for index, (prompt, p) in enumerate(zip(prompts, params)):
+                try:
+                    seq = self.engine.add_request(self._prompt_ids(prompt, p), p)
+                except ValueError as error:
+                    outputs[index] = RequestOutput.failed(index, prompt, f"prompt {index}: {error}")
+                    logger.warning(outputs[index].error)
+                    deliver(outputs[index])
+                    continue
+                seqs.append(seq)
+                index_of[seq.request_id] = index
+            if use_tqdm is None:  # vLLM always shows one; here where someone watches, or for a long call
+                use_tqdm = sys.stderr.isatty() or len(prompts) > PROGRESS_MIN_PROMPTS
+            if use_tqdm:
+                from tqdm.auto import tqdm
+                progress = tqdm(total=len(prompts), initial=len(prompts) - len(seqs), desc="requests", unit="req",
+                                dynamic_ncols=True, leave=False)  # callers print their own results and summary
+            start, num_steps, num_tokens = time.perf_counter(), 0, 0
             while self.engine.has_unfinished():
-                finished = self.engine.step()
+                finished = [seq for seq in self.engine.step() if seq.request_id in index_of]
                 num_steps += 1
+                for seq in finished:
+                    index = index_of[seq.request_id]
+                    outputs[index] = self._output(index, prompts[index], seq)
+                    deliver(outputs[index])
                 if progress is not None:
                     num_tokens += sum(len(seq.output_ids) for seq in finished)
                     rate = num_tokens / (time.perf_counter() - start)
@@ -172,8 +228,11 @@ class LLM:
         finally:
             if progress is not None:
                 progress.close()
-        return [RequestOutput(
+        return outputs
+
+    def _output(self, index: int, prompt: Prompt, seq: Sequence) -> RequestOutput:
+        return RequestOutput(
             request_id=seq.request_id, prompt=prompt, prompt_token_ids=seq.prompt_ids,
             text=self.decode(seq.output_ids), token_ids=seq.output_ids, finish_reason=seq.finish_reason,
             nfe=seq.nfe, steps=seq.steps, query_rows=seq.query_rows, time_s=seq.finish_time - seq.start_time,
-        ) for prompt, seq in zip(prompts, seqs)]
+            index=index)

@@ -47,8 +47,10 @@ def test_small_cache_queues_requests_and_refuses_what_never_fits(gqa_checkpoint)
     for a, b in zip(small.generate(PROMPTS, params), big.generate(PROMPTS, params)):
         assert a.token_ids == b.token_ids
     assert small.engine.allocator.num_free == 120
-    with pytest.raises(ValueError, match="can never fit in a KV cache of 120 tokens"):
-        small.generate([[5] * 100], params)
+    too_long, fits = small.generate([[5] * 100, PROMPTS[0]], params)  # the one that never fits fails alone
+    assert too_long.error == ("prompt 0: a sequence of 132 tokens can never fit in a KV cache of 120 tokens; "
+                              "raise kv_cache_bytes or shorten the request")
+    assert fits.token_ids == big.generate(PROMPTS[0], params)[0].token_ids
     assert not small.engine.has_unfinished()
 
 

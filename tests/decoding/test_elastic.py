@@ -67,9 +67,9 @@ def window_rule_without_cache(model, prompt: list[int], params: SamplingParams, 
 @pytest.mark.parametrize("setting", [dict(mask_window=8), dict(mask_window=4, temperature=0.6, seed=3),
                                      dict(mask_window=64)], ids=["beta8", "beta4-sampled", "beta-over-G"])
 def test_refresh_every_step_equals_the_window_rule_without_cache(llm, setting):
-    """gamma > 1: every step refreshes from layer 0, a full forward through the cache. Four prompts of
+    """gamma = 1: every step refreshes from layer 0, a full forward through the cache. Four prompts of
     different lengths through three rows (left padding, a row refilled)."""
-    params = SamplingParams(method="elastic", max_tokens=32, threshold=0.7, drift_threshold=2.0, **setting)
+    params = SamplingParams(method="elastic", max_tokens=32, threshold=0.7, drift_threshold=1.0, **setting)
     for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, params)):
         ids = llm.encode(prompt)
         expected, steps = window_rule_without_cache(llm.model, ids, params, llm.special.mask_id, llm.special.stop_ids)
@@ -192,7 +192,8 @@ def test_window_and_tracked_positions():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(drift_threshold=-0.1), "drift_threshold must be >= 0"),
+    (dict(drift_threshold=-0.1), "drift_threshold must be in \\[0, 1\\], got -0.1"),
+    (dict(drift_threshold=1.5), "drift_threshold must be in \\[0, 1\\], got 1.5"),
     (dict(track_num=0), "track_num must be positive"),
     (dict(mask_window=0), "mask_window must be positive"),
     (dict(factor=1.0), "factor applies to method parallel or prefix-cache"),

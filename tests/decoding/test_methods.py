@@ -127,8 +127,8 @@ def test_parallel_matches_fast_dllm(llm, rule):
         assert llm.generate([ids], params)[0].token_ids == expected
 
 
-def test_parallel_above_one_is_one_token_per_step_reference(llm):
-    parallel = SamplingParams(method="parallel", max_tokens=32, block_length=8, threshold=1.01)
+def test_parallel_threshold_one_is_one_token_per_step_reference(llm):
+    parallel = SamplingParams(method="parallel", max_tokens=32, block_length=8, threshold=1.0)
     reference = SamplingParams(method="reference", max_tokens=32, block_length=8, steps=32)
     for a, b in zip(llm.generate(PROMPTS, parallel), llm.generate(PROMPTS, reference)):
         assert a.token_ids == b.token_ids

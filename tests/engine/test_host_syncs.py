@@ -21,7 +21,7 @@ SYNCS_PER_STEP = {"prefix-cache": 1, "dual-cache": 1, "flash-cache": 1, "flash-v
 def test_host_syncs_per_step(gqa_checkpoint, method):
     llm = LLM(gqa_checkpoint, device="cuda", dtype="float32", kernels=True)
     knobs = dict(tracking_budget=4, mask_window=8) if method.startswith("flash") else {}
-    params = SamplingParams(method=method, max_tokens=64, block_length=8, threshold=1.1,  # one token a step
+    params = SamplingParams(method=method, max_tokens=64, block_length=8, threshold=1.0,  # one token a step
                             **knobs)
     row_bytes = KVCache.bytes_per_row(llm.config, torch.float32)
     runner = ModelRunner(llm.model, kernels=True, cuda_graphs=True, kv_cache_bytes=2 * 80 * row_bytes)

@@ -20,7 +20,7 @@ class ScriptedLLM:
         self.engine = type("Engine", (), {"scheduler": type("Scheduler", (), {"max_batch_size": batch_size})})
         self.calls = []
 
-    def generate(self, prompts, params):
+    def generate(self, prompts, params, use_tqdm=None):
         prompts = [prompts] if isinstance(prompts, str) else prompts
         self.calls.append(len(prompts))
         return [RequestOutput(request_id=0, prompt=p, prompt_token_ids=[], text=self.answers[i % len(self.answers)],

@@ -145,6 +145,8 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": [5, 10 ** 9]}, "outside the vocabulary"),
     ("/v1/completions", {"prompt": [QUESTION, ""]}, "prompt 1: the prompt is empty"),
     ("/v1/completions", {"prompt": 42}, "prompt"),
+    ("/v1/completions", b'{"prompt": "\\ud800"}', "not valid UTF-8"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}]}', "not valid UTF-8"),
     ("/v1/completions", {"max_tokens": 32}, "prompt"),
     ("/v1/completions", {"prompt": [5] * 3000}, "exceed the model's context"),
     ("/v1/chat/completions", {"messages": []}, "messages is empty"),

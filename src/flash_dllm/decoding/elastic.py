@@ -17,9 +17,10 @@ Drift and refresh. The reuse pass runs every layer over the query rows. At layer
 rows' attention before this step's update (the queries of their cached input hidden states against the
 keys as cached) with their attention after it (fresh queries against the keys with the query rows
 written): the cosine over the key axis, per head, averaged over heads and tracked rows. At the first layer
-l where it is below gamma (`drift_threshold`), the sequence refreshes: layers l..L-1 run again over all its
-positions, layer l from its cached input hidden states (the query rows fresh from the reuse pass, the
-others as last computed) against the current keys, so every deeper layer gets K/V from current inputs.
+l where it is below gamma (`drift_threshold`, in [0, 1]; gamma = 1 refreshes from layer 0 every step), the
+sequence refreshes: layers l..L-1 run again over all its positions, layer l from its cached input hidden
+states (the query rows fresh from the reuse pass, the others as last computed) against the current keys,
+so every deeper layer gets K/V from current inputs.
 Rows refresh from different layers in one pass: sorted by first layer, the rows active at a layer are a
 prefix of the pass.
 
@@ -32,7 +33,8 @@ Deliberate differences from the published code:
 - the cosine is taken over the key axis, as the paper describes; the code takes it over the head axis;
 - the refresh recomputes the output of the layer that drifted; the code starts one layer deeper, from
   that layer's stale cached inputs, so that layer's K/V of the non-query rows come out unchanged. Here a
-  trigger at layer 0 is a full forward, and gamma > 1 gives exactly the threshold rule without cache;
+  trigger at layer 0 is a full forward, and gamma = 1 (refresh every step) gives exactly the threshold
+  rule without cache;
 - the window stops at the current first eos or eot (the code: at the leftmost eos of the first step that
   decoded one, fixed from then on); tracked positions are decoded ones only (the code also admits masks
   beyond its eos cutoff); the mask id is never a candidate; temperature > 0 samples (Gumbel-max).
@@ -61,14 +63,14 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class ElasticSettings(ThresholdSettings):
     mask_window: int = knob(16, "the window: masked positions recomputed per step")
-    drift_threshold: float = knob(0.9, "refresh from the first layer whose attention drift cosine is below this "
-                                       "(> 1: every step, the window rule without cache)")
+    drift_threshold: float = knob(0.9, "in [0, 1]: refresh from the first layer whose attention drift cosine is "
+                                       "below this (1: every step, the window rule without cache)")
     track_num: int = knob(1, "most-attended decoded positions tracked per layer")
 
     def __post_init__(self):
         super().__post_init__()
         check(self.mask_window > 0, f"mask_window must be positive, got {self.mask_window}")
-        check(self.drift_threshold >= 0, f"drift_threshold must be >= 0, got {self.drift_threshold}")
+        check(0 <= self.drift_threshold <= 1, f"drift_threshold must be in [0, 1], got {self.drift_threshold}")
         check(self.track_num > 0, f"track_num must be positive, got {self.track_num}")
 
 
@@ -235,7 +237,9 @@ class Elastic(DecodingMethod):
         win_column, win_valid = leading_columns(window, min(settings.mask_window, width))
         h = x[runner.logit_rows(reuse.flat_of_column, win_column).clamp(min=0)]              # [B, beta, d]
         if drift:
-            fires = (similarity < settings.drift_threshold) & (batch.counters.steps > 0)    # [L, B]
+            # gamma = 1 refreshes every step, even where the cosine rounds to exactly 1
+            fires = (similarity < settings.drift_threshold) | (settings.drift_threshold >= 1)
+            fires &= batch.counters.steps > 0                                                # [L, B]
             first_layer = torch.where(fires.any(dim=0), fires.int().argmax(dim=0), fires.shape[0])
             refreshed = _refresh_pass(runner, batch, first_layer.tolist(), window, key_mass)  # 2nd host read
             if refreshed is not None:

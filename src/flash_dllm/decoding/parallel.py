@@ -19,13 +19,13 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ThresholdSettings(Settings):
-    threshold: float = knob(0.9, "confidence at or above which a masked position is unmasked (> 1: never, "
-                                 "so one token per step)", symbol="thr")
+    threshold: float = knob(0.9, "confidence in [0, 1] at or above which a masked position is unmasked (at least "
+                                 "one per step; 1: about one per step)", symbol="thr")
     per_row = ("threshold",)
 
     def __post_init__(self):
         super().__post_init__()
-        check(self.threshold >= 0, f"threshold must be >= 0, got {self.threshold}")
+        check(0 <= self.threshold <= 1, f"threshold must be in [0, 1], got {self.threshold}")
 
     @property
     def rule_value(self) -> float:

@@ -17,6 +17,7 @@ import torch
 from ..batch import DecodeBatch
 from ..cache.attention_metadata import AttentionMetadata, FlatRows, device_tensor
 from ..cache.kv_cache import KVCache
+from ..decoding.base import check, check_type
 from ..models.base import DiffusionLM
 from .cuda_graphs import CudaGraphs
 from .warmup import compile_kernels
@@ -47,8 +48,8 @@ class ModelRunner:
     """kernels: the cached passes through the Triton kernels (default: on CUDA; TRITON_INTERPRET=1 runs them
     on the CPU); False uses their PyTorch references (same tokens). cuda_graphs: replay the cached passes
     whose shapes repeat from CUDA graphs (default: with the kernels on CUDA). kv_cache_bytes: the cache's
-    budget (default: 40% of free GPU memory, or 1 GiB on the CPU); allocated at the first request that needs
-    it, when the kernels are also compiled."""
+    budget, at least one token's row (default: 40% of free GPU memory, or 1 GiB on the CPU); allocated at the
+    first request that needs it, when the kernels are also compiled."""
 
     def __init__(self, model: DiffusionLM, kernels: bool | None = None, cuda_graphs: bool | None = None,
                  kv_cache_bytes: int | None = None):
@@ -61,8 +62,11 @@ class ModelRunner:
         if cuda_graphs and not (self.kernels and on_cuda):
             raise ValueError("cuda_graphs=True needs the Triton kernels on a CUDA device")
         self.cuda_graphs = self.kernels and on_cuda if cuda_graphs is None else cuda_graphs
-        if kv_cache_bytes is not None and kv_cache_bytes <= 0:
-            raise ValueError(f"kv_cache_bytes must be positive, got {kv_cache_bytes}")
+        check_type("kv_cache_bytes", kv_cache_bytes, "int | None")
+        if kv_cache_bytes is not None:
+            per_row, dtype = KVCache.bytes_per_row(model.config, self.dtype), str(self.dtype).removeprefix("torch.")
+            check(kv_cache_bytes >= per_row, f"kv_cache_bytes must hold at least one token's row of the KV cache, "
+                                             f"{per_row:,} bytes for this model in {dtype}, got {kv_cache_bytes:,}")
         self.kv_cache_bytes = kv_cache_bytes
         self.cache: KVCache | None = None
         self.graphs: CudaGraphs | None = None

@@ -23,13 +23,13 @@ class TaskResult:
 def run_task(llm, task: str, label: str, items: list[Item], params: SamplingParams) -> TaskResult:
     """Decode the items in one call; the caller warms the method up first."""
     start = time.perf_counter()
-    outputs = llm.generate([item.prompt for item in items], params)
+    outputs = llm.generate([item.prompt for item in items], params, use_tqdm=False)
     wall = time.perf_counter() - start
     tokens = sum(len(out.token_ids) for out in outputs)
     steps = max(1, sum(out.steps for out in outputs))
     return TaskResult(
         task=task, label=label, num_items=len(items),
-        accuracy=sum(is_correct(item, out.text) for item, out in zip(items, outputs)) / len(items),
+        accuracy=sum(is_correct(item, out.text or "") for item, out in zip(items, outputs)) / len(items),
         nfe=sum(out.nfe for out in outputs) / len(outputs),
         tokens_per_step=tokens / steps,
         query_rows_per_step=sum(out.query_rows for out in outputs) / steps,

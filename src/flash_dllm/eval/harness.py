@@ -31,7 +31,7 @@ def evaluate(llm, task: str, params: SamplingParams, *, data: str | None = None,
     chat, batch_size = llm.use_chat_template, llm.engine.scheduler.max_batch_size
     examples = shard(benchmark.examples(chat, data, limit), ctx)
     if warmup and examples:  # one full batch: kernel compilation and allocations stay out of the timing
-        llm.generate([e.prompt for e in examples[:batch_size]], params)
+        llm.generate([e.prompt for e in examples[:batch_size]], params, use_tqdm=False)
     records, gen_time = [], 0.0
     bar = None
     if progress and ctx.is_main:
@@ -42,9 +42,9 @@ def evaluate(llm, task: str, params: SamplingParams, *, data: str | None = None,
     for start in range(0, len(examples), step):
         chunk = examples[start:start + step]
         begin = time.perf_counter()
-        outputs = llm.generate([e.prompt for e in chunk], params)
+        outputs = llm.generate([e.prompt for e in chunk], params, use_tqdm=False)
         gen_time += time.perf_counter() - begin
-        verdicts = benchmark.score([e.doc for e in chunk], [out.text for out in outputs], chat)
+        verdicts = benchmark.score([e.doc for e in chunk], [out.text or "" for out in outputs], chat)  # a failed prompt scores wrong
         records += [_record(e, out, v) for e, out, v in zip(chunk, outputs, verdicts)]
         if bar is not None:
             bar.update(len(chunk))
@@ -64,7 +64,7 @@ def _record(example, out, verdict) -> dict:
     return {"index": example.index, "id": example.id, "prompt": example.prompt, "output": out.text,
             "extracted": verdict.extracted, "target": example.target, "correct": verdict.correct,
             "num_tokens": len(out.token_ids), "nfe": out.nfe, "steps": out.steps, "time_s": out.time_s,
-            "finish_reason": out.finish_reason}
+            "finish_reason": out.finish_reason, "error": out.error}
 
 
 def summarize(records: list[dict], gen_time: float, *, params: SamplingParams, **fields) -> dict:

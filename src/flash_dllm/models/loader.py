@@ -46,7 +46,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     """Load a checkpoint directory (config.json + safetensors) without remote code or downloads.
 
     Tensors are read one at a time from each shard straight to `device` and cast into the
-    pre-allocated parameters, so host memory never holds a second copy of the model.
+    pre-allocated parameters, so host memory never holds a second copy of the model. Weights that are NaN
+    or inf once cast to `dtype` are refused, naming the tensor.
     """
     path = Path(path)
     cfg = config_from_dir(path)
@@ -77,6 +78,7 @@ def load_weights(model: DiffusionLM, files: list[Path], device: str | torch.devi
     layout = model.checkpoint_layout()
     params = dict(model.named_parameters())
     loaded: dict[str, Path] = {}
+    nonfinite: dict[str, torch.Tensor] = {}  # per tensor, on the device: read once at the end
     for file in files:
         try:
             handle = safe_open(str(file), framework="pt", device=str(device))
@@ -98,11 +100,19 @@ def load_weights(model: DiffusionLM, files: list[Path], device: str | torch.devi
                 if not tensor.is_floating_point():
                     raise ValueError(f"{file.name}: tensor {name!r} has dtype {tensor.dtype}, expected floating point")
                 target.copy_(tensor)
+                nonfinite[name] = torch.isfinite(target).logical_not().sum()  # after the cast: overflow too
                 loaded[name] = file
     missing = [name for name in layout if name not in loaded]
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise ValueError(f"checkpoint is missing tensors: {', '.join(missing[:3])}{more}")
+    counts = torch.stack(list(nonfinite.values())).tolist()
+    bad = [(name, count) for name, count in zip(nonfinite, counts) if count]
+    if bad:  # NaN or inf weights give garbage or NaN logits at every step: refuse them now, by name
+        (name, count), weights = bad[0], params[layout[name][0]]
+        more = f"; {len(bad) - 1} more tensors too" if len(bad) > 1 else ""
+        raise ValueError(f"{loaded[name].name}: tensor {name!r} has NaN or inf values ({count:,} as "
+                         f"{str(weights.dtype).removeprefix('torch.')}{more})")
 
 
 def random_config(spec: str) -> ModelConfig:

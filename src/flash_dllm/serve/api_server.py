@@ -154,6 +154,10 @@ def build_app(llm: LLM, config: ServeConfig) -> FastAPI:
         if isinstance(prompt, str):
             if llm.tokenizer is None:
                 raise ValueError("this model has no tokenizer: give the prompt as token ids")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError:  # a lone surrogate escape in the JSON
+                raise ValueError("the prompt is not valid UTF-8 text") from None
             return llm.tokenizer.encode(prompt)
         return llm.encode(prompt)
 
@@ -327,7 +331,10 @@ def build_app(llm: LLM, config: ServeConfig) -> FastAPI:
             raise APIError(400, "messages is empty")
         if llm.tokenizer is None or not getattr(llm.tokenizer, "chat_template", None):
             raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions")
-        prompt = llm.encode([message.as_dict() for message in body.messages])
+        try:
+            prompt = llm.encode([message.as_dict() for message in body.messages])
+        except ValueError as error:
+            raise APIError(400, str(error)) from None
         return await respond(http, body, [prompt], chat=True)
 
     @api.get("/models")

@@ -1,0 +1,66 @@
+"""`flash-dllm serve` as a process, and `flash-dllm bench serve` against a server."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+from flash_dllm.cli import main
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_serve_command_answers_and_stops_on_sigint():
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "flash_dllm.cli", "serve", "--device", "cpu", "--port", str(port),
+                                "--max-tokens", "32", "--block-length", "8", "--method", "dual-cache",
+                                "--threshold", "0.8"], stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(300):
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.ConnectError:
+                assert process.poll() is None, process.stderr.read()
+                time.sleep(0.1)
+        models = httpx.get(url + "/v1/models").json()["data"]
+        assert models[0]["id"] == "default"
+        body = httpx.post(url + "/v1/chat/completions", timeout=60,
+                          json={"messages": [{"role": "user", "content": "What is 3 + 4?"}]}).json()
+        assert body["usage"]["completion_tokens"] <= 32 and body["choices"][0]["message"]["content"]
+    finally:
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=30) == 0
+
+
+def test_serve_rejects_bad_defaults_in_one_line(capsys):
+    assert main(["serve", "--device", "cpu", "--threshold", "1.5"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "threshold" in err
+
+
+def test_bench_serve(server, capsys):
+    code = main(["bench", "serve", "--url", server, "--clients", "4", "--duration", "2", "--num-prompts", "4",
+                 "--max-tokens", "32", "--fields", json.dumps({"method": "flash-cache"})])
+    out = capsys.readouterr().out
+    assert code == 0 and "| clients |" in out
+    row = out.strip().splitlines()[-1].split("|")[1:-1]
+    equal, compared = map(int, row[-1].split("/"))
+    assert int(row[3]) == 0 and compared > 0 and equal == compared
+
+
+def test_bench_serve_without_a_server(capsys):
+    assert main(["bench", "serve", "--url", f"http://127.0.0.1:{free_port()}", "--duration", "1"]) == 2
+    assert "no server answers" in capsys.readouterr().err
