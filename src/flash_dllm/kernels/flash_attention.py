@@ -21,9 +21,11 @@ except ImportError:  # the package imports without triton; only the kernel needs
     triton = None
 
 
-def launch_config(max_q: int, verify: bool = False, num_seqs: int = 1) -> dict:
-    """Tile sizes by query rows per request, pass kind and batch (tuned on the H200 at LLaDA-8B shapes,
+def launch_config(max_q: int, verify: bool = False, num_seqs: int = 1, fp32: bool = False) -> dict:
+    """Tile sizes by query rows per request, pass kind and batch (tuned on the H200 at LLaDA-8B shapes in bf16,
     benchmarks/tune_kernels.py)."""
+    if fp32:  # twice the bytes per tile: pipelined 128-key tiles of head dim 128 overflow the 227 KB of smem
+        return {**launch_config(max_q, verify, num_seqs), "BLOCK_N": 64, "num_stages": 1}
     if verify and max_q > 64:  # 8 warps for its own keys and visibility mask: 0.34 against 0.54 ms at B=32, q=112
         if num_seqs >= 8:
             return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
@@ -61,7 +63,8 @@ def flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     visibility = metadata.self_visibility.contiguous().view(torch.uint8) if has_new else q
     hidden = hidden.contiguous().view(torch.uint8) if hidden is not None else q
     track_rows = metadata.track_rows.contiguous().view(torch.uint8) if track else q
-    config = launch_config(metadata.max_q, verify=has_new, num_seqs=metadata.num_seqs)
+    config = launch_config(metadata.max_q, verify=has_new, num_seqs=metadata.num_seqs,
+                           fp32=q.dtype == torch.float32)
     grid = (metadata.num_seqs, triton.cdiv(metadata.max_q, config["BLOCK_M"]), H)
     # Atomics would add the partial masses in a different order every run, and a near-tie in the tracked
     # set could then flip a token; partial rows summed after the launch give the same mass every time.
