@@ -249,6 +249,23 @@ def test_weights_that_overflow_the_dtype(tmp_path):
         LLM(str(tmp_path), device="cpu", dtype="float16")
 
 
+def test_logits_that_overflow_at_the_first_forward(tmp_path, capsys):
+    """Finite weights whose activations overflow: the first forward's logits are checked once."""
+    model = random_model("llada-tiny", "cpu", torch.float32)
+    model.final_norm.weight.fill_(1e30)  # finite weights whose products overflow the logits to inf
+    (model.lm_head or model.embed).weight.mul_(1e30)
+    save_checkpoint(model, tmp_path, PRESETS["llada-tiny"])
+    error = ("the model's logits at its first forward pass are not finite (NaN or inf): its activations "
+             "overflow in float32")
+    with pytest.raises(ValueError) as caught:
+        LLM(str(tmp_path), device="cpu").generate([[5, 6, 7]], SamplingParams(max_tokens=8, block_length=8))
+    assert str(caught.value) == error
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt_token_ids": [5, 6, 7]}) + "\n")
+    code, _, err = run(capsys, "--file", str(prompts), "--model", str(tmp_path))
+    assert_one_line(code, err, re.escape(error))
+
+
 # ----------------------------------------------------------------------------- README examples run as written
 
 def readme_blocks(language: str) -> list[str]:

@@ -70,6 +70,7 @@ class ModelRunner:
         self.kv_cache_bytes = kv_cache_bytes
         self.cache: KVCache | None = None
         self.graphs: CudaGraphs | None = None
+        self.logits_checked = False
 
     @property
     def logit_shift(self) -> int:
@@ -97,7 +98,7 @@ class ModelRunner:
         """One forward over tokens [B, W] (left-padded rows) -> fp32 logits [B, n] of the columns [B, n]."""
         hidden = self.model.hidden_states(tokens, positions, attention_mask)
         source = self._logit_source(columns)[..., None].expand(-1, -1, hidden.shape[-1])
-        return self.model.compute_logits(hidden.gather(1, source)).float()
+        return self._checked(self.model.compute_logits(hidden.gather(1, source)).float())
 
     # Cached passes: a set of query rows per request, the rest of each sequence read from the KV cache.
 
@@ -149,7 +150,20 @@ class ModelRunner:
     def logits(self, hidden: torch.Tensor, flat_of_column: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
         """fp32 logits [B, n] of the columns [B, n] from a cached pass's final-normed hidden states [N, d]
         (a column whose row is not in the pass gets garbage, which must not be used)."""
-        return self.model.compute_logits(hidden[self.logit_rows(flat_of_column, columns).clamp(min=0)]).float()
+        rows = self.logit_rows(flat_of_column, columns).clamp(min=0)
+        return self._checked(self.model.compute_logits(hidden[rows]).float())
+
+    def _checked(self, logits: torch.Tensor) -> torch.Tensor:
+        """The first forward's logits, checked once (one host sync in the runner's life): finite weights can still
+        overflow in the activations, and then every token would be garbage."""
+        if not self.logits_checked:
+            self.logits_checked = True
+            if not torch.isfinite(logits).all():
+                dtype = str(self.dtype).removeprefix("torch.")
+                hint = "" if self.dtype == torch.float32 else "; try dtype float32"
+                raise ValueError(f"the model's logits at its first forward pass are not finite (NaN or inf): its "
+                                 f"activations overflow in {dtype}{hint}")
+        return logits
 
     def _logit_source(self, columns: torch.Tensor) -> torch.Tensor:
         """The column whose hidden state gives each column's logits (a generated column, so never a row's first)."""
