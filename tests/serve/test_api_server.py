@@ -279,3 +279,98 @@ def test_an_engine_failure_fails_the_running_requests_only(start_server):
         assert failed.status_code == 500 and "simulated device fault" in failed.json()["error"]["message"]
         assert client.post("/v1/completions", json={"prompt": PROGRAM}).status_code == 200
         assert metric(client, 'flash_dllm_requests_total{outcome="error"}') == 1
+
+
+def test_prompts_of_one_request_join_the_same_step(client):
+    """The prompts of a completion reach the engine together: the request takes the steps of one of them."""
+    before = metric(client, "flash_dllm_engine_iterations_total")
+    body = client.post("/v1/completions", json={"prompt": [PROGRAM] * 4, "threshold": 1.0}).json()
+    steps = body["usage"]["steps"]
+    assert steps % 4 == 0 and metric(client, "flash_dllm_engine_iterations_total") - before == steps // 4
+
+
+def test_streaming_several_prompts(client):
+    body = {"prompt": [QUESTION, PROGRAM], "max_tokens": 64}
+    full = [c["text"] for c in client.post("/v1/completions", json=body).json()["choices"]]
+    chunks = stream_events(client, "/v1/completions", body)
+    texts = ["".join(c["choices"][0]["text"] for c in chunks if c["choices"][0]["index"] == i) for i in (0, 1)]
+    assert texts == full
+    assert sorted(c["choices"][0]["index"] for c in chunks if c["choices"][0]["finish_reason"]) == [0, 1]
+
+
+def test_stop_string_cuts_token_ids_and_counts_the_work(client, offline):
+    body = {"prompt": QUESTION, "max_tokens": 64, "return_token_ids": True}
+    text = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    cut = client.post("/v1/completions", json={**body, "stop": text.split()[3]}).json()
+    choice = cut["choices"][0]
+    assert offline.decode(choice["token_ids"]).startswith(choice["text"])
+    assert len(offline.decode(choice["token_ids"][:-1])) < len(choice["text"])  # no token past the cut
+    assert cut["usage"]["completion_tokens"] == len(choice["token_ids"]) and cut["usage"]["nfe"] > 0
+
+
+def test_openai_nulls_and_the_developer_role(client, offline):
+    nulls = {"n": None, "top_p": None, "presence_penalty": None, "frequency_penalty": None, "stream": None,
+             "logprobs": None, "stop": None, "seed": None, "temperature": None, "max_tokens": None}
+    messages = [{"role": "developer", "content": "Be brief."}, *MESSAGES]
+    body = client.post("/v1/chat/completions", json={"messages": messages, **nulls}).json()
+    system = [{"role": "system", "content": "Be brief."}, *MESSAGES]
+    assert body["choices"][0]["message"]["content"] == expected(offline, system)
+
+
+def test_too_many_prompts_for_the_server_is_400_not_429(client):
+    response = client.post("/v1/completions", json={"prompt": [[5, 6]] * 300})
+    assert response.status_code == 400 and "exceed the server's capacity" in response.json()["error"]["message"]
+
+
+def test_errors_outside_the_api_keep_openais_shape(client):
+    missing = client.get("/v1/nothing")
+    assert missing.status_code == 404 and "message" in missing.json()["error"]
+    garbled = client.post("/v1/completions", content=b'{"prompt": "\xff"}', headers={"content-type": "application/json"})
+    assert garbled.status_code == 400 and "message" in garbled.json()["error"]
+
+
+def test_disconnect_is_noticed_while_the_final_prefix_grows(server, client):
+    """A stop string makes the engine report the prefix every step; a gone client is still noticed."""
+    aborted = 'flash_dllm_requests_total{outcome="abort"}'
+    before = metric(client, aborted)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server + "/v1/completions", json={"prompt": QUESTION, **SLOW, "remasking": "low_confidence",
+                                                      "stop": "never appears"}, timeout=1.0)
+    for _ in range(100):
+        if metric(client, aborted) > before:
+            break
+        threading.Event().wait(0.05)
+    assert metric(client, aborted) == before + 1
+
+
+def test_a_request_that_fails_to_start_fails_alone(start_server):
+    """An unexpected error while admitting (e.g. out of memory for the KV cache) is a 500 for that request."""
+    llm = LLM(device="cpu", dtype="float32")
+    allocate, calls = llm.runner.allocate_cache, []
+
+    def fail_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("simulated out of memory")
+        return allocate(*args, **kwargs)
+
+    llm.runner.allocate_cache = fail_once
+    with start_server(llm) as url, httpx.Client(base_url=url, timeout=120) as client:
+        failed = client.post("/v1/completions", json={"prompt": QUESTION, "method": "dual-cache"})
+        assert failed.status_code == 500 and "simulated out of memory" in failed.json()["error"]["message"]
+        assert client.post("/v1/completions", json={"prompt": QUESTION, "method": "dual-cache"}).status_code == 200
+        assert client.get("/health").status_code == 200
+
+
+def test_a_dead_engine_answers_instead_of_hanging(start_server):
+    """A device that fails every step ends the engine loop: requests get 500 or 503, never a hang."""
+    llm = LLM(device="cpu", dtype="float32")
+
+    def broken():
+        raise RuntimeError("sticky device error")
+
+    llm.engine.step = broken
+    with start_server(llm) as url, httpx.Client(base_url=url, timeout=30) as client:
+        for _ in range(4):
+            assert client.post("/v1/completions", json={"prompt": QUESTION}).status_code == 500
+        assert client.get("/health").status_code == 503

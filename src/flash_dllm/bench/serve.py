@@ -8,6 +8,7 @@ phase must equal that single request's token ids: batching with other requests c
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import statistics
 import time
@@ -65,7 +66,7 @@ class ServeBenchResult:
         ok = self.ok
         latencies = sorted(a.latency_s for a in ok) or [0.0]
         tokens = sum(len(a.token_ids) for a in ok)
-        quantile = lambda q: latencies[min(int(q * len(latencies)), len(latencies) - 1)]
+        quantile = lambda q: latencies[max(math.ceil(q * len(latencies)) - 1, 0)]  # nearest rank
         return (self.clients, f"{self.wall_s:.1f}", len(ok), self.errors, f"{len(ok) / self.wall_s:.2f}",
                 f"{tokens / self.wall_s:.1f}", f"{statistics.median(latencies):.3f}", f"{quantile(0.99):.3f}",
                 f"{sum(a.nfe for a in ok) / max(len(ok), 1):.1f}",
@@ -98,6 +99,8 @@ async def ask(client: httpx.AsyncClient, config: ServeBenchConfig, pool: list[di
         return Answer(k, 0, time.perf_counter() - start, error=f"{type(error).__name__}: {error}")
     latency = time.perf_counter() - start
     if response.status_code != 200:
+        if response.status_code == 429:  # counted as an error, and the client backs off as told
+            await asyncio.sleep(float(response.headers.get("retry-after", 1)))
         return Answer(k, response.status_code, latency, error=response.text[:200])
     out = response.json()
     return Answer(k, 200, latency, out["choices"][0]["token_ids"], out["usage"]["nfe"], out["usage"]["steps"])

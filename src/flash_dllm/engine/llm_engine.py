@@ -63,13 +63,17 @@ class LLMEngine:
                 self.allocator.release(seq.cache_base, seq.length)
             seq.finish([], "abort", seq.steps, seq.nfe)
 
-    def final_prefixes(self, seqs: list[Sequence]) -> list[list[int]]:
-        """Each running sequence's final prefix: its generated tokens up to the first mask or eos/eot (a decoded
-        token never changes, so these are the first tokens of its output). One transfer for all of them."""
+    def final_prefixes(self, seqs: list[Sequence]) -> list[tuple[list[int], int, int]]:
+        """(final prefix, steps, nfe) of running sequences: the prefix is the generated tokens up to the first
+        mask or eos/eot (a decoded token never changes, so these are the first tokens of the output). One
+        transfer for all of them."""
+        if not seqs:
+            return []
         batch = self.batch
-        rows = [self.running.index(seq) for seq in seqs]
-        generated = batch.tokens[rows, batch.gen_start:].tolist() if rows else []
-        return [ids[:seq.final_length] for ids, seq in zip(generated, seqs)]
+        rows = torch.tensor([self.running.index(seq) for seq in seqs], device=self.device)
+        counters = torch.stack([batch.counters.steps[rows], batch.counters.nfe[rows]], dim=1)
+        host = torch.cat([batch.tokens[rows, batch.gen_start:], counters], dim=1).tolist()
+        return [(row[:seq.final_length], row[-2], row[-1]) for row, seq in zip(host, seqs)]
 
     def _reserve(self, seq: Sequence) -> bool:
         if not method_of(seq.params.method).uses_cache:

@@ -21,12 +21,14 @@ from dataclasses import dataclass
 from fastapi import APIRouter, Depends, FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..llm import LLM
 from .async_engine import Accepted, AsyncEngine, Failed, Finished, Prefix, Rejected, Request
 from .protocol import ChatCompletionRequest, CommonRequest, CompletionRequest, ServerDefaults, sampling_params
 
 log = logging.getLogger("flash_dllm.serve")
+DISCONNECT_POLL_S = 0.5  # how often a waiting request asks whether its client is still there
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,13 @@ class TextStream:
         delta, self.sent = text[len(self.sent):], text
         return delta, stopped
 
+    def tokens_within(self, ids: list[int]) -> list[int]:
+        """The shortest prefix of ids whose text covers the text sent (a stop string cut the rest)."""
+        for length in range(len(ids) + 1):
+            if len(self.llm.decode(ids[:length]) or "") >= len(self.sent):
+                return ids[:length]
+        return ids
+
     def finish(self, ids: list[int]) -> tuple[str, bool]:
         text, stopped = self.cut(self.llm.decode(ids) or "")
         if not text.startswith(self.sent):
@@ -102,14 +111,17 @@ class Choice:
         """Apply an engine event; the new text, if any."""
         if isinstance(event, Prefix):
             delta, stopped = self.text.grow(event.token_ids)
-            self.token_ids = event.token_ids
+            self.token_ids, self.nfe, self.steps = event.token_ids, event.nfe, event.steps
             if stopped:
                 self.finish_reason = "stop"
+                self.token_ids = self.text.tokens_within(event.token_ids)
             return delta
         if isinstance(event, Finished):
             seq = event.seq
             delta, stopped = self.text.finish(seq.output_ids)
             self.token_ids, self.nfe, self.steps = seq.output_ids, seq.nfe, seq.steps
+            if stopped:
+                self.token_ids = self.text.tokens_within(seq.output_ids)
             self.finish_reason = "stop" if stopped else seq.finish_reason
             return delta
         if isinstance(event, Failed):
@@ -134,6 +146,10 @@ def build_app(llm: LLM, config: ServeConfig) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(_, error: RequestValidationError):
         return error_response(400, validation_message(error))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(_, error: StarletteHTTPException):  # unknown paths, bodies that cannot be parsed
+        return error_response(error.status_code, str(error.detail))
 
     @app.exception_handler(APIError)
     async def on_api_error(_, error: APIError):
@@ -177,6 +193,8 @@ def build_app(llm: LLM, config: ServeConfig) -> FastAPI:
                 where = f"prompt {index}: " if len(prompts) > 1 else ""
                 raise APIError(400, f"{where}{len(ids)} prompt tokens + max_tokens {params.max_tokens} exceed the "
                                     f"model's context of {llm.config.max_position} tokens")
+        if len(prompts) > capacity:
+            raise APIError(400, f"{len(prompts)} prompts exceed the server's capacity of {capacity} requests")
         if in_flight["requests"] + len(prompts) > capacity:
             in_flight["throttled"] += 1
             raise APIError(429, f"the server is at capacity ({capacity} requests running or queued); retry later",
@@ -187,17 +205,18 @@ def build_app(llm: LLM, config: ServeConfig) -> FastAPI:
         """Hand the requests to the engine; a rejected one (it can never fit) fails the call with a 400."""
         in_flight["requests"] += len(requests)
         try:
-            outcomes = [await engine.submit(request) for request in requests]
+            outcomes = await engine.submit(requests)
         except BaseException:
             release(requests)
             raise
-        rejected = [(i, o) for i, o in enumerate(outcomes) if isinstance(o, Rejected)]
-        if rejected:
+        refused = [(i, o) for i, o in enumerate(outcomes) if not isinstance(o, Accepted)]
+        if refused:
             release(requests)
-            index, outcome = rejected[0]
+            index, outcome = refused[0]
             where = f"prompt {index}: " if len(requests) > 1 else ""
-            raise APIError(400, where + outcome.message)
-        assert all(isinstance(o, Accepted) for o in outcomes)
+            if isinstance(outcome, Rejected):
+                raise APIError(400, where + outcome.message)
+            raise APIError(500, where + outcome.message, "server_error")
 
     def release(requests: list[Request]):
         """Abort what is still running (a no-op for finished requests) and free the requests' slots."""
@@ -218,13 +237,16 @@ def build_app(llm: LLM, config: ServeConfig) -> FastAPI:
                     return
 
         pumps = [asyncio.create_task(pump(choice)) for choice in choices]
+        checked = time.monotonic()
         try:
             while any(choice.finish_reason is None for choice in choices):
-                try:
-                    choice, event = await asyncio.wait_for(merged.get(), timeout=0.5)
-                except asyncio.TimeoutError:
+                if time.monotonic() - checked > DISCONNECT_POLL_S:  # also while events keep coming
+                    checked = time.monotonic()
                     if await http.is_disconnected():
                         return
+                try:
+                    choice, event = await asyncio.wait_for(merged.get(), timeout=DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
                     continue
                 if choice.finish_reason is not None:
                     continue  # a stop string ended it already

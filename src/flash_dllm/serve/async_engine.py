@@ -22,6 +22,7 @@ from ..llm import LLM
 from ..sampling_params import SamplingParams
 
 log = logging.getLogger("flash_dllm.serve")
+MAX_CONSECUTIVE_FAILURES = 3
 
 
 @dataclass
@@ -37,6 +38,8 @@ class Rejected:
 @dataclass
 class Prefix:
     token_ids: list[int]  # the output's final tokens so far (grows step by step)
+    steps: int            # denoising steps and forward passes so far
+    nfe: int
 
 
 @dataclass
@@ -89,24 +92,32 @@ class AsyncEngine:
         self._wakeup = threading.Event()
         self._stop = threading.Event()
         self._active: dict[Sequence, tuple[Request, asyncio.AbstractEventLoop]] = {}
+        self._lock = threading.Lock()  # no request enters the inbox once the loop has stopped
+        self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="flash-dllm-engine", daemon=True)
 
     def start(self):
         self._thread.start()
 
     def is_alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._thread.is_alive() and not self._stopped
 
     def shutdown(self):
         self._stop.set()
         self._wakeup.set()
         self._thread.join()
 
-    async def submit(self, request: Request) -> Accepted | Rejected:
-        """Queue a request for the engine thread; returns once it is queued there or rejected."""
-        self._inbox.put(("add", request, asyncio.get_running_loop()))
+    async def submit(self, requests: list[Request]) -> list[Accepted | Rejected | Failed]:
+        """Queue requests for the engine thread (together: they join the same step); returns once each is
+        queued there, rejected, or failed."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if self._stopped:
+                return [Failed("the engine loop has stopped") for _ in requests]
+            for request in requests:
+                self._inbox.put(("add", request, loop))
         self._wakeup.set()
-        return await request.events.get()
+        return [await request.events.get() for request in requests]
 
     def abort(self, request: Request):
         self._inbox.put(("abort", request, None))
@@ -126,9 +137,14 @@ class AsyncEngine:
             if kind == "add":
                 try:
                     request.seq = self.engine.add_request(request.prompt_ids, request.params)
-                except ValueError as error:
+                except ValueError as error:  # it can never run here (e.g. the KV cache can never hold it)
                     self.stats.rejected += 1
                     self._post(request, loop, Rejected(str(error)))
+                    continue
+                except Exception as error:  # e.g. out of memory allocating the KV cache: this request only
+                    log.exception("admitting a request failed")
+                    self.stats.finished["error"] += 1
+                    self._post(request, loop, Failed(f"{type(error).__name__}: {error}"))
                     continue
                 self._active[request.seq] = (request, loop)
                 self._post(request, loop, Accepted())
@@ -138,11 +154,26 @@ class AsyncEngine:
                 self.stats.finished["abort"] += 1
 
     def _loop(self):
-        self._serve()
-        self._drain_inbox()
-        self._fail_all("the server is shutting down")
+        message = "the server is shutting down"
+        try:
+            self._serve()
+        except BaseException as error:
+            log.exception("the engine loop stopped")
+            message = f"the engine loop stopped: {type(error).__name__}: {error}"
+        finally:  # nobody may wait for an event that will never come
+            with self._lock:
+                self._stopped = True
+            while True:
+                try:
+                    kind, request, loop = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if kind == "add":
+                    self._post(request, loop, Failed(message))
+            self._fail(list(self._active), message)
 
     def _serve(self):
+        failures = 0  # consecutive failed steps: a device that fails every step ends the loop (/health: 503)
         while not self._stop.is_set():
             self._drain_inbox()
             self._update_gauges()
@@ -155,10 +186,15 @@ class AsyncEngine:
                 streaming = [(seq, *self._active[seq]) for seq in self.engine.running
                              if not seq.is_finished and seq in self._active and self._active[seq][0].stream]
                 self._post_prefixes(streaming)
-            except Exception as error:  # a device or engine failure: fail what runs now, keep serving
+            except Exception as error:  # a device or engine failure: fail the running batch, keep serving
                 log.exception("engine step failed")
-                self._fail_all(f"the engine failed: {type(error).__name__}: {error}")
+                failures += 1
+                if failures == MAX_CONSECUTIVE_FAILURES:
+                    raise
+                running = [seq for seq in self.engine.running if not seq.is_finished and seq in self._active]
+                self._fail(running, f"the engine failed: {type(error).__name__}: {error}")
                 continue
+            failures = 0
             self.stats.iterations += 1
             for seq in finished:
                 if seq not in self._active:
@@ -170,12 +206,12 @@ class AsyncEngine:
 
     def _post_prefixes(self, streaming: list):
         grown = [(seq, request, loop) for seq, request, loop in streaming if seq.final_length > request.sent_length]
-        for (seq, request, loop), ids in zip(grown, self.engine.final_prefixes([seq for seq, _, _ in grown])):
+        prefixes = self.engine.final_prefixes([seq for seq, _, _ in grown])
+        for (seq, request, loop), (ids, steps, nfe) in zip(grown, prefixes):
             request.sent_length = len(ids)
-            self._post(request, loop, Prefix(ids))
+            self._post(request, loop, Prefix(ids, steps, nfe))
 
-    def _fail_all(self, message: str):
-        seqs = list(self._active)
+    def _fail(self, seqs: list[Sequence], message: str):
         self.engine.abort(seqs)
         for seq in seqs:
             request, loop = self._active.pop(seq)

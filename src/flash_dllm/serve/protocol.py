@@ -25,13 +25,13 @@ class TextPart(BaseModel):
 
 class Message(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant"]
     content: Union[str, list[TextPart]]
     name: str | None = None
 
     def as_dict(self) -> dict:
         content = self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
-        return {"role": self.role, "content": content}
+        return {"role": "system" if self.role == "developer" else self.role, "content": content}  # newer name
 
 
 class StreamOptions(BaseModel):
@@ -48,25 +48,25 @@ class CommonRequest(BaseModel):
     temperature: float | None = None
     seed: int | None = None
     stop: Union[str, list[str], None] = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # OpenAI fields accepted only at their neutral values.
-    n: int = 1
-    top_p: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    # OpenAI fields accepted only at their neutral values (null, as OpenAI allows, means the same).
+    n: int | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     # flash-dllm's own: the method, its block length, and the output's token ids.
     method: str | None = None
     block_length: int | None = None
-    return_token_ids: bool = False
+    return_token_ids: bool | None = False
 
     def unsupported(self) -> str | None:
         """The first OpenAI field set to a value we cannot honour, as an error message."""
         neutral = {"n": 1, "top_p": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
         for name, value in neutral.items():
-            if getattr(self, name) != value:
+            if getattr(self, name) not in (None, value):
                 return f"{name}={getattr(self, name)} is not supported (only {value})"
         if self.logit_bias:
             return "logit_bias is not supported"
@@ -83,7 +83,7 @@ class CommonRequest(BaseModel):
 
 class CompletionRequest(CommonRequest):
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    echo: bool = False
+    echo: bool | None = False
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
@@ -109,7 +109,7 @@ class CompletionRequest(CommonRequest):
 class ChatCompletionRequest(CommonRequest):
     messages: list[Message]
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
 
     def _unsupported(self) -> str | None:
         if self.logprobs:
