@@ -75,8 +75,10 @@ class TextStream:
     def grow(self, ids: list[int]) -> tuple[str, bool]:
         """The new text of a longer final prefix, and whether a stop string ended it."""
         text, stopped = self.cut(self.llm.decode(ids) or "")
-        if not stopped:  # hold back a half-decoded character and a possible stop string's start
-            text = text.rstrip("\ufffd")
+        if not stopped:
+            # Hold back what later tokens can still change: the last token and trailing spaces (a tokenizer's
+            # clean-up merges " ," into ","), a half-decoded character, and a possible stop string's start.
+            text = (self.llm.decode(ids[:-1]) or "").rstrip("\ufffd").rstrip()
             text = text[:max(len(text) - self.holdback, 0)]
         if not text.startswith(self.sent):
             return "", stopped
