@@ -323,7 +323,7 @@ def cmd_sweep(args):
 
 
 def cmd_serve(args):
-    from .serve.api_server import ServeConfig, serve
+    from .serve.api_server import ServeConfig, listening_socket, serve
     from .serve.protocol import ServerDefaults
 
     params = sampling_params_from_args(args)  # the server's defaults, checked before the model loads
@@ -331,10 +331,12 @@ def cmd_serve(args):
     config = ServeConfig(model_name=args.served_model_name or Path(args.model or "default").name,
                          defaults=ServerDefaults.from_params(params, given), max_queue=args.max_queue,
                          api_key=args.api_key)
+    sock = listening_socket(args.host, args.port)
     llm = llm_from_args(args, max_batch_size=args.max_batch)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"flash-dllm: warning: serving on {args.host} without --api-key", file=sys.stderr)
-    serve(llm, config, args.host, args.port)
+    print(f"flash-dllm: serving {config.model_name} on http://{args.host}:{args.port}", file=sys.stderr)
+    serve(llm, config, sock)
 
 
 def cmd_bench_serve(args):

@@ -45,6 +45,16 @@ def test_serve_command_answers_and_stops_on_sigint():
         assert process.wait(timeout=30) == 0
 
 
+def test_serve_on_a_taken_port_is_one_line(capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--device", "cpu", "--port", str(port)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"flash-dllm: error: cannot listen on 127.0.0.1:{port}: Address already in use"
+
+
 def test_serve_rejects_bad_defaults_in_one_line(capsys):
     assert main(["serve", "--device", "cpu", "--threshold", "1.5"]) == 2
     err = capsys.readouterr().err.strip()

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import socket
 import time
 import uuid
 from dataclasses import dataclass
@@ -425,8 +426,24 @@ def warm_up(llm: LLM, defaults: ServerDefaults):
     llm.generate([probe], params, use_tqdm=False)
 
 
-def serve(llm: LLM, config: ServeConfig, host: str = "127.0.0.1", port: int = 8000):
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads: a taken port is a one-line error, not a wait."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as error:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
+    return sock
+
+
+def serve(llm: LLM, config: ServeConfig, sock: socket.socket):
     import uvicorn
 
     warm_up(llm, config.defaults)
-    uvicorn.run(build_app(llm, config), host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+    server = uvicorn.Server(uvicorn.Config(build_app(llm, config), log_level="info", timeout_graceful_shutdown=5))
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn has shut down gracefully and re-raises the signal: a normal stop
+        pass
