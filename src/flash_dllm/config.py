@@ -24,6 +24,19 @@ PRESETS["llada-tiny"] = {
     "mlp_hidden_size": 128, "vocab_size": 320, "embedding_size": 320, "max_sequence_length": 1024,
     "mask_token_id": 3, "eos_token_id": 1, "pad_token_id": 1, "bos_token_id": 0,
 }
+PRESETS["dream-7b"] = {
+    "model_type": "Dream", "architectures": ["DreamModel"], "hidden_size": 3584, "num_hidden_layers": 28,
+    "num_attention_heads": 28, "num_key_value_heads": 4, "intermediate_size": 18944, "vocab_size": 152064,
+    "max_position_embeddings": 131072, "rope_theta": 1000000.0, "rope_scaling": None, "rms_norm_eps": 1e-6,
+    "hidden_act": "silu", "tie_word_embeddings": False, "use_sliding_window": False, "sliding_window": None,
+    "max_window_layers": 28, "attention_dropout": 0.0, "use_cache": False, "torch_dtype": "bfloat16",
+    "mask_token_id": 151666, "eos_token_id": 151643, "pad_token_id": 151643, "bos_token_id": 151643,
+}
+PRESETS["dream-tiny"] = {
+    **PRESETS["dream-7b"], "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 320, "max_position_embeddings": 1024,
+    "max_window_layers": 2, "mask_token_id": 3, "eos_token_id": 1, "pad_token_id": 1, "bos_token_id": 1,
+}
 
 
 @dataclass(frozen=True)

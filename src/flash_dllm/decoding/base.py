@@ -86,6 +86,9 @@ class DecodingMethod:
     caches_hidden_states: ClassVar[bool] = False  # the cache also keeps each layer's input hidden states
     uses_blocks: ClassVar[bool] = True            # decodes block by block (max_tokens a multiple of block_length)
     published_block_length: ClassVar[int] = 32    # the block length of its paper's setting (bench step's default)
+    # Its passes give each column j whose logits it needs the hidden state of column j - logit_shift, so it runs
+    # on an architecture with shifted logits (Dream). The engine refuses the others on such a model.
+    handles_logit_shift: ClassVar[bool] = False
     # `flash-dllm demo`'s rows: label -> settings (default: one row, the method's defaults).
     demo_variants: ClassVar[dict[str, dict] | None] = None
 

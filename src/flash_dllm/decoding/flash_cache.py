@@ -65,6 +65,7 @@ def query_priority(batch: DecodeBatch) -> torch.Tensor:
 
 class FlashCache(Parallel):
     name = "flash-cache"
+    handles_logit_shift = False  # its query set must also hold each masked column's left neighbour (issue 14)
     Settings = FlashCacheSettings
     uses_cache = True
     published_block_length = 16

@@ -39,6 +39,7 @@ class LosslessState:
 
 class Lossless(DecodingMethod):
     name = "lossless"
+    handles_logit_shift = True  # full forwards: the runner's full_logits applies the shift
     Settings = LosslessSettings
 
     def validate(self, params: SamplingParams):

@@ -52,6 +52,7 @@ class ParallelSettings(ThresholdSettings):
 class Parallel(BlockMethod):
     name = "parallel"
     Settings = ParallelSettings
+    handles_logit_shift = True  # full forwards: the runner's full_logits applies the shift
     demo_variants = {"parallel": {}, "parallel-factor": {"factor": 1.0}}
 
     def block_logits(self, runner: ModelRunner, batch: DecodeBatch, columns: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,7 @@ class PrefixCacheSettings(ParallelSettings):
 
 class PrefixCache(Parallel):
     name = "prefix-cache"
+    handles_logit_shift = False  # a block's first column needs the cached column before it (issue 14)
     Settings = PrefixCacheSettings
     uses_cache = True
     demo_variants = None

@@ -39,6 +39,7 @@ def steps_per_block(params: SamplingParams) -> int:
 
 class Reference(BlockMethod):
     name = "reference"
+    handles_logit_shift = True  # full forwards: the runner's full_logits applies the shift
     Settings = ReferenceSettings
 
     def validate(self, params: SamplingParams):

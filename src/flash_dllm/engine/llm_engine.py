@@ -14,7 +14,7 @@ import torch
 
 from ..batch import Counters, DecodeBatch, RowState
 from ..cache import CacheAllocator
-from ..decoding.registry import method_of
+from ..decoding.registry import METHODS, method_of
 from ..sampling_params import SamplingParams
 from ..tokenizer import SpecialTokens
 from .model_runner import ModelRunner
@@ -43,6 +43,9 @@ class LLMEngine:
     def check_fits(self, prompt_length: int, params: SamplingParams):
         """Raise now, not after the queue drains, for a request that the KV cache can never hold."""
         method = method_of(params.method)
+        if self.runner.logit_shift and not method.handles_logit_shift:
+            able = ", ".join(m.name for m in METHODS.values() if m.handles_logit_shift)
+            raise ValueError(f"method {method.name!r} does not handle this model's shifted logits yet; use {able}")
         if method.uses_cache:
             if self.allocator is None:
                 cache = self.runner.allocate_cache(with_hidden=method.caches_hidden_states)

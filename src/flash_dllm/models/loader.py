@@ -12,11 +12,12 @@ from safetensors.torch import save_file
 
 from ..config import PRESETS, ModelConfig, read_config_json
 from .base import DiffusionLM
+from .dream import DreamModel
 from .layers import RMSNorm
 from .llada import LLaDAModel
 
 # One entry per architecture: config.json's model_type -> its class (which parses that config.json).
-ARCHITECTURES: dict[str, type[DiffusionLM]] = {cls.model_type: cls for cls in (LLaDAModel,)}
+ARCHITECTURES: dict[str, type[DiffusionLM]] = {cls.model_type: cls for cls in (LLaDAModel, DreamModel)}
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 

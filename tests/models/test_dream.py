@@ -1,0 +1,290 @@
+"""The Dream forward of flash_dllm against an independent float64 re-implementation (Qwen2 blocks without the
+causal mask, then the shift) that reads the raw checkpoint tensors under their Hugging Face names; the
+Dream-7B configuration; one-line errors for bad Dream checkpoints; every decoding method runs on Dream."""
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import flash_dllm
+from conftest import write_checkpoint
+from flash_dllm import LLM, SamplingParams
+from flash_dllm.cli import main
+from flash_dllm.config import PRESETS
+from flash_dllm.decoding.registry import METHODS
+from flash_dllm.models import build_model, parse_config, random_model, save_checkpoint
+from test_llada import randomise_biases, read_tensors, rel_err
+
+INDEX = "model.safetensors.index.json"
+SEQ_LEN = 13
+DREAM_7B_PARAMETERS = 7_615_616_512
+
+
+def dream_config(**overrides) -> dict:
+    return {**PRESETS["dream-tiny"], **overrides}
+
+
+# ----------------------------------------------------------------------------- float64 reference
+
+class Reference:
+    """Dream forward for one unpadded sequence, float64, straight from the config and tensors."""
+
+    def __init__(self, path: Path):
+        cfg = json.loads((path / "config.json").read_text())
+        self.w = read_tensors(path)
+        self.d, self.n_heads = cfg["hidden_size"], cfg["num_attention_heads"]
+        self.n_kv = cfg["num_key_value_heads"]
+        self.hd = self.d // self.n_heads
+        self.n_layers = cfg["num_hidden_layers"]
+        self.eps, self.theta = cfg["rms_norm_eps"], cfg["rope_theta"]
+        self.tied = cfg["tie_word_embeddings"]
+
+    def linear(self, x, name, bias=False):
+        y = x @ self.w[f"{name}.weight"].T
+        return y + self.w[f"{name}.bias"] if bias else y
+
+    def rmsnorm(self, x, name):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.w[f"{name}.weight"]
+
+    def rope(self, x, positions):
+        """x [L, heads, hd], positions [L]: rotate-half rotary embedding."""
+        inv_freq = 1.0 / self.theta ** (torch.arange(0, self.hd, 2, dtype=torch.float64) / self.hd)
+        angles = positions.double()[:, None] * inv_freq[None, :]
+        cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+        x1, x2 = x[..., : self.hd // 2], x[..., self.hd // 2:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+    def attention(self, q, k, v):
+        """q [L, H, hd], k/v [L, KV, hd]; bidirectional, kv head j serves q heads j*g .. j*g+g-1."""
+        group = self.n_heads // self.n_kv
+        out = torch.empty_like(q)
+        for h in range(self.n_heads):
+            scores = torch.einsum("qd,kd->qk", q[:, h], k[:, h // group]) / math.sqrt(self.hd)
+            out[:, h] = torch.softmax(scores, dim=-1) @ v[:, h // group]
+        return out
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [L] -> logits [L, V], row i from hidden state i - 1 (row 0 from hidden state 0)."""
+        L = ids.shape[0]
+        positions = torch.arange(L)
+        x = self.w["model.embed_tokens.weight"][ids]
+        for i in range(self.n_layers):
+            b = f"model.layers.{i}."
+            h = self.rmsnorm(x, b + "input_layernorm")
+            a = b + "self_attn."
+            q = self.rope(self.linear(h, a + "q_proj", bias=True).view(L, self.n_heads, self.hd), positions)
+            k = self.rope(self.linear(h, a + "k_proj", bias=True).view(L, self.n_kv, self.hd), positions)
+            v = self.linear(h, a + "v_proj", bias=True).view(L, self.n_kv, self.hd)
+            x = x + self.linear(self.attention(q, k, v).reshape(L, -1), a + "o_proj")
+            h = self.rmsnorm(x, b + "post_attention_layernorm")
+            gate, up = self.linear(h, b + "mlp.gate_proj"), self.linear(h, b + "mlp.up_proj")
+            x = x + self.linear(gate * torch.sigmoid(gate) * up, b + "mlp.down_proj")
+        x = self.rmsnorm(x, "model.norm")
+        logits = x @ self.w["model.embed_tokens.weight" if self.tied else "lm_head.weight"].T
+        return torch.cat([logits[:1], logits[:-1]])
+
+    def batch(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.stack([self(row) for row in ids])
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+def dream_checkpoint(path: Path, num_shards: int = 2, seed: int = 0, **overrides) -> Path:
+    path = write_checkpoint(path, dream_config(**overrides), num_shards=num_shards, with_tokenizer=False, seed=seed)
+    return randomise_biases(path, seed=seed + 1)
+
+
+@pytest.fixture(scope="module")
+def gqa_checkpoint(tmp_path_factory) -> Path:
+    return dream_checkpoint(tmp_path_factory.mktemp("dream_gqa"))
+
+
+@pytest.fixture(scope="module")
+def mha_checkpoint(tmp_path_factory) -> Path:
+    return dream_checkpoint(tmp_path_factory.mktemp("dream_mha"), num_shards=1, seed=2, num_key_value_heads=4)
+
+
+@pytest.fixture(scope="module")
+def tied_checkpoint(tmp_path_factory) -> Path:
+    return dream_checkpoint(tmp_path_factory.mktemp("dream_tied"), seed=4, tie_word_embeddings=True)
+
+
+@pytest.fixture(params=["gqa_checkpoint", "mha_checkpoint", "tied_checkpoint"],
+                ids=lambda name: name.removesuffix("_checkpoint"))
+def any_checkpoint(request) -> Path:
+    return request.getfixturevalue(request.param)
+
+
+def random_ids(shape=(2, SEQ_LEN), seed=0) -> torch.Tensor:
+    return torch.randint(0, PRESETS["dream-tiny"]["vocab_size"], shape, generator=torch.Generator().manual_seed(seed))
+
+
+# ----------------------------------------------------------------------------- forward
+
+def test_checkpoint_has_dream_names_and_nonzero_biases(gqa_checkpoint):
+    """Guards the fixture and the reference: real names, sharded with an index, q/k/v biases and no others."""
+    index = json.loads((gqa_checkpoint / INDEX).read_text())["weight_map"]
+    assert len(set(index.values())) == 2 and not (gqa_checkpoint / "model.safetensors").exists()
+    assert json.loads((gqa_checkpoint / "config.json").read_text()) == PRESETS["dream-tiny"]
+    w = Reference(gqa_checkpoint).w
+    assert index.keys() == w.keys()
+    biases = sorted(n for n in w if n.endswith(".bias"))
+    assert biases == sorted(f"model.layers.{i}.self_attn.{p}_proj.bias" for i in range(2) for p in "qkv")
+    assert all(w[n].abs().sum() > 0 for n in biases)
+    assert w["model.layers.0.self_attn.k_proj.weight"].shape == (2 * 16, 64)  # GQA: 2 KV heads of 16
+    assert {"lm_head.weight", "model.norm.weight", "model.layers.1.post_attention_layernorm.weight",
+            "model.layers.1.mlp.down_proj.weight"} <= w.keys()
+
+
+def test_forward_matches_float64_reference(any_checkpoint):
+    model = flash_dllm.load_model(any_checkpoint, device="cpu", dtype=torch.float32)
+    ids = random_ids()
+    with torch.no_grad():
+        logits = model(ids)
+    expected = Reference(any_checkpoint).batch(ids)
+    assert logits.dtype == torch.float32 and logits.shape == expected.shape == (2, SEQ_LEN, 320)
+    assert rel_err(logits, expected) < 1e-4
+
+
+def test_logits_are_shifted(gqa_checkpoint):
+    """Row 0 and row 1 both come from hidden state 0; row i from hidden state i - 1."""
+    model = flash_dllm.load_model(gqa_checkpoint)
+    ids = random_ids(seed=1)
+    with torch.no_grad():
+        unshifted = model.compute_logits(model.hidden_states(ids))
+        logits = model(ids)
+    assert torch.equal(logits[:, 0], unshifted[:, 0])
+    assert torch.equal(logits[:, 1:], unshifted[:, :-1])
+
+
+def test_left_padded_batch_matches_unpadded_rows(gqa_checkpoint):
+    """Dream's padded batches: left padding, positions cumsum(mask) - 1 (pads at 1, as Dream's sampler
+    sets them). Row p (the first real token) comes from a pad's hidden state and is never used; the rows
+    after it must equal the row alone, and so must the hidden states of every real token."""
+    model, ref = flash_dllm.load_model(gqa_checkpoint), Reference(gqa_checkpoint)
+    pads = [0, 5, SEQ_LEN - 2]
+    ids = random_ids(shape=(len(pads), SEQ_LEN), seed=2)  # padding slots hold random ids on purpose
+    mask = torch.stack([torch.arange(SEQ_LEN) >= p for p in pads])
+    positions = (mask.long().cumsum(-1) - 1).masked_fill(~mask, 1)
+    with torch.no_grad():
+        logits = model(ids, positions, mask)
+        hidden = model.hidden_states(ids, positions, mask)
+        for row, p in enumerate(pads):
+            alone = model.hidden_states(ids[row:row + 1, p:])[0]
+            torch.testing.assert_close(hidden[row, p:], alone, rtol=1e-5, atol=1e-5)
+            err = rel_err(logits[row, p + 1:], ref(ids[row, p:])[1:])
+            assert err < 1e-4, f"row {row} (left padding {p}): relative error {err:.2e}"
+    assert torch.isfinite(logits).all()
+
+
+def test_round_trip_gives_identical_logits(tmp_path):
+    model = random_model("dream-tiny", "cpu", torch.float32, seed=5, std=0.1)
+    save_checkpoint(model, tmp_path, PRESETS["dream-tiny"], num_shards=3)
+    loaded = flash_dllm.load_model(tmp_path)
+    assert type(loaded) is type(model) and loaded.logit_shift == 1
+    ids = random_ids(seed=3)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids), model(ids))
+
+
+# ----------------------------------------------------------------------------- Dream-7B (meta device only)
+
+def test_dream_7b_config():
+    cfg = parse_config(PRESETS["dream-7b"])
+    assert (cfg.architecture, cfg.hidden_size, cfg.head_dim, cfg.vocab_size) == ("Dream", 3584, 128, 152064)
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.num_layers, cfg.intermediate_size) == (28, 4, 28, 18944)
+    assert (cfg.rope_theta, cfg.rms_norm_eps) == (1e6, 1e-6)
+    assert (cfg.mask_token_id, cfg.eos_token_id, cfg.pad_token_id) == (151666, 151643, 151643)
+    assert cfg.qkv_bias and not (cfg.linear_bias or cfg.norm_bias or cfg.tie_word_embeddings)
+    assert cfg.kv_bytes_per_token == 2 * 28 * 4 * 128 * 2
+
+
+def test_dream_7b_parameters_on_meta():
+    model = build_model(parse_config(PRESETS["dream-7b"]), "meta", torch.bfloat16)
+    assert sum(p.numel() for p in model.parameters()) == DREAM_7B_PARAMETERS
+    layout = model.checkpoint_layout()
+    assert len(layout) == 3 + 28 * 12
+    layer = {name.removeprefix("model.layers.27.") for name in layout if name.startswith("model.layers.27.")}
+    assert layer == {"input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.o_proj.weight",
+                     "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+                     *(f"self_attn.{p}_proj.{kind}" for p in "qkv" for kind in ("weight", "bias"))}
+
+
+def test_info_prints_dream_7b_parameters(capsys):
+    assert main(["info", "--model", "random:dream-7b"]) == 0
+    out = capsys.readouterr().out
+    assert f"parameters: {DREAM_7B_PARAMETERS:,}" in out and "KV cache per token: 57,344 bytes" in out
+    assert "architecture: Dream" in out
+
+
+# ----------------------------------------------------------------------------- bad checkpoints
+
+def set_config(**changes):
+    def mutate(path: Path):
+        (path / "config.json").write_text(json.dumps({**json.loads((path / "config.json").read_text()), **changes}))
+    return mutate
+
+
+def remove_tensor(name):
+    def mutate(path: Path):
+        index = json.loads((path / INDEX).read_text())
+        file = path / index["weight_map"].pop(name)
+        tensors = load_file(str(file))
+        del tensors[name]
+        save_file(tensors, str(file), metadata={"format": "pt"})
+        (path / INDEX).write_text(json.dumps(index))
+    return mutate
+
+
+K1 = "model.layers.1.self_attn.k_proj.bias"
+BAD_CHECKPOINTS = {
+    "unknown model_type": (set_config(model_type="qwen2"),
+                           "config.json: model_type 'qwen2' is not supported (supported: 'llada', 'Dream')"),
+    "missing bias": (remove_tensor(K1), f"checkpoint is missing tensors: {K1}"),
+    "vocab mismatch": (set_config(vocab_size=400), "tensor 'model.embed_tokens.weight' has shape [320, 64], "
+                                                   "but config.json implies [400, 64]"),
+    "hidden_size missing": (lambda path: (path / "config.json").write_text(json.dumps(
+        {k: v for k, v in dream_config().items() if k != "hidden_size"})), "missing required key 'hidden_size'"),
+    "activation": (set_config(hidden_act="gelu"), "hidden_act='gelu' is not supported"),
+    "sliding window": (set_config(use_sliding_window=True), "use_sliding_window=True is not supported"),
+    "rope scaling": (set_config(rope_scaling={"type": "yarn", "factor": 4.0}), "rope_scaling={'type': 'yarn'"),
+    "heads": (set_config(num_attention_heads=5, num_key_value_heads=5),
+              "hidden_size (64) is not divisible by num_attention_heads (5)"),
+}
+
+
+@pytest.mark.parametrize("mutate, message", BAD_CHECKPOINTS.values(),
+                         ids=[k.replace(" ", "_") for k in BAD_CHECKPOINTS])
+def test_bad_dream_checkpoint_is_a_one_line_error(gqa_checkpoint, tmp_path, mutate, message):
+    path = tmp_path / "ckpt"
+    shutil.copytree(gqa_checkpoint, path)
+    mutate(path)
+    with pytest.raises(ValueError, match=re.escape(message)) as error:
+        flash_dllm.load_model(path)
+    assert "\n" not in str(error.value)
+
+
+# ----------------------------------------------------------------------------- decoding (smoke only)
+
+# The shift in the cached methods is issue 14 item 2: elastic's window pads with column 0, whose logit source
+# (column -1) fails runner.logit_rows' gather. strict: this marker must go when elastic handles the shift.
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_runs_on_dream_or_says_it_cannot(gqa_checkpoint, method):
+    """A method that handles the shift runs and produces token ids (its exactness on a shifted architecture
+    is tested elsewhere); the cached methods, whose shift is issue 14's item 2, fail in one line."""
+    llm = LLM(str(gqa_checkpoint), device="cpu")
+    prompt = random_ids(shape=(9,), seed=4).tolist()
+    [out] = llm.generate([prompt], SamplingParams(method=method, max_tokens=16, block_length=8))
+    if not METHODS[method].handles_logit_shift:
+        assert out.finish_reason == "error" and "does not handle this model's shifted logits" in out.error
+        return
+    assert out.error is None and out.finish_reason in ("stop", "length"), out.error
+    assert out.prompt_token_ids == prompt and 0 < out.nfe and len(out.token_ids) <= 16
+    assert all(0 <= t < 320 and t != llm.special.mask_id for t in out.token_ids)
