@@ -278,7 +278,8 @@ def test_bad_dream_checkpoint_is_a_one_line_error(gqa_checkpoint, tmp_path, muta
 @pytest.mark.parametrize("method", METHODS)
 def test_every_method_runs_on_dream_or_says_it_cannot(gqa_checkpoint, method):
     """A method that handles the shift runs and produces token ids (its exactness on a shifted architecture
-    is tested elsewhere); the cached methods, whose shift is issue 14's item 2, fail in one line."""
+    is tested elsewhere: tests/decoding/test_shifted.py for prefix-cache and dual-cache); the others, whose shift
+    is the rest of issue 14's item 2, fail in one line."""
     llm = LLM(str(gqa_checkpoint), device="cpu")
     prompt = random_ids(shape=(9,), seed=4).tolist()
     [out] = llm.generate([prompt], SamplingParams(method=method, max_tokens=16, block_length=8))

@@ -14,7 +14,9 @@ from ..config import ModelConfig
 
 
 class KVCache:
-    """k[layer], v[layer]: [num_rows, kv_heads, head_dim].
+    """k[layer], v[layer]: [num_rows + 1, kv_heads, head_dim]: the requests' rows, then `scratch_row`, which no
+    request owns and no pass reads: a query row whose K/V must not reach the cache writes there (the left
+    neighbour of a cached pass's block on a shifted architecture, see ModelRunner.prepare).
 
     `hidden_states()`: per layer [num_rows, hidden_size], the layer's input hidden state of each row
     (Elastic-Cache recomputes deep layers over a whole sequence from them), allocated at first use:
@@ -24,8 +26,8 @@ class KVCache:
     def __init__(self, cfg: ModelConfig, num_rows: int, dtype: torch.dtype, device: torch.device | str):
         if num_rows <= 0:
             raise ValueError(f"KV cache needs at least one row, got {num_rows}")
-        shape = (num_rows, cfg.num_kv_heads, cfg.head_dim)
-        self.num_rows = num_rows
+        shape = (num_rows + 1, cfg.num_kv_heads, cfg.head_dim)
+        self.num_rows, self.scratch_row = num_rows, num_rows
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         self._hidden_shape = (num_rows, cfg.hidden_size)

@@ -30,7 +30,9 @@ class PrefixCacheSettings(ParallelSettings):
 
 class PrefixCache(Parallel):
     name = "prefix-cache"
-    handles_logit_shift = False  # a block's first column needs the cached column before it (issue 14)
+    # A step that reuses the cache also recomputes the logit_shift columns before the block (their hidden states
+    # give the block's first logits) without writing their K/V: the cache stays as the unshifted method leaves it.
+    handles_logit_shift = True
     Settings = PrefixCacheSettings
     uses_cache = True
     demo_variants = None
@@ -39,24 +41,27 @@ class PrefixCache(Parallel):
         """First position and number of query rows of a step that reuses the cache."""
         return block_start, row.length - block_start
 
-    def query_ranges(self, batch: DecodeBatch) -> tuple[list[int], list[int]]:
-        """Per row: first query position and number of query rows (a refresh step: all of them)."""
+    def query_ranges(self, batch: DecodeBatch, shift: int = 0) -> tuple[list[int], list[int], list[int]]:
+        """Per row: first query position, number of query rows (a refresh step: all of them) and how many of
+        the first rows only give hidden states (`shift` before a reused range: the columns whose hidden states
+        give a shifted architecture's logits of the block; they are read from the cache, not written)."""
         params = batch.params
         interval = params.settings.refresh_interval
         ranges = []
         for row in batch.rows:
             block_start = row.prompt_length + row.block_index * params.block_length
             if row.step_in_block == 0 or (interval is not None and row.step_in_block % interval == 0):
-                ranges.append((0, row.length))
+                ranges.append((0, row.length, 0))
             else:
-                ranges.append(self.reused_range(row, block_start, params.block_length))
-        starts, counts = zip(*ranges)
-        return list(starts), list(counts)
+                start, count = self.reused_range(row, block_start, params.block_length)
+                ranges.append((start - shift, count + shift, shift))
+        starts, counts, kept = zip(*ranges)
+        return list(starts), list(counts), list(kept)
 
     def block_logits(self, runner: ModelRunner, batch: DecodeBatch, columns: torch.Tensor) -> torch.Tensor:
-        starts, counts = self.query_ranges(batch)
+        starts, counts, kept = self.query_ranges(batch, runner.logit_shift)
         batch.count_query_rows(counts)
         first = batch.tokens.shape[1] - batch.lengths + device_tensor(starts, batch.tokens.device)
         query_columns = first[:, None] + torch.arange(max(counts), device=first.device)
-        p = runner.prepare(batch, counts, query_columns)
+        p = runner.prepare(batch, counts, query_columns, kept=kept)
         return runner.logits(runner.run(p), p.flat_of_column, columns)

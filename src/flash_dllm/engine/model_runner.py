@@ -104,12 +104,15 @@ class ModelRunner:
 
     def prepare(self, batch: DecodeBatch, counts: list[int], columns: torch.Tensor, order: list[int] | None = None,
                 track: torch.Tensor | None = None, input_ids: torch.Tensor | None = None,
-                visibility: torch.Tensor | None = None) -> CachedPass:
+                visibility: torch.Tensor | None = None, kept: list[int] | None = None) -> CachedPass:
         """A pass over counts[g] query rows for batch row order[g] (default: g), its columns the first
         counts[g] of columns[g] [G, >= max(counts)]. track [B, W]: the columns whose attention mass the pass
         accumulates. input_ids [G, >= max(counts)]: the rows' tokens, where they are not the batch's.
         visibility [G, max_q, max_q]: a pass that does not write the cache, whose rows see each other as it
-        says and none of their own positions in the cache (Flash-Verify's verify pass)."""
+        says and none of their own positions in the cache (Flash-Verify's verify pass). kept [G]: the first kept[g]
+        rows of group g are computed (they attend like the others, to the cache as it holds their own
+        positions) but their K/V go to the cache's scratch row, so the cache keeps what it holds there (the
+        left neighbours that a shifted architecture's logits need, recomputed for their hidden states only)."""
         device, width = batch.tokens.device, batch.tokens.shape[1]
         rows = FlatRows.from_counts(counts, device)
         if order is None:
@@ -128,6 +131,9 @@ class ModelRunner:
             hidden_keys[rows.request, positions] = torch.ones_like(positions, dtype=torch.bool)  # `= True`: a host copy
             options.update(write_cache=False, hidden_keys=hidden_keys, self_visibility=visibility)
         metadata = AttentionMetadata.build(rows, kv_start, kv_len, positions, max_kv, **options)
+        if kept is not None and any(kept):
+            unwritten = rows.rank < device_tensor(kept, device)[rows.request]
+            metadata.slot_mapping = metadata.slot_mapping.masked_fill(unwritten, self.cache.scratch_row)
         ids = batch.tokens[request, column] if input_ids is None else input_ids[rows.request, rows.rank]
         return CachedPass(rows, request, column, ids, positions, metadata, tuple(batch.tokens.shape))
 
