@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .base import DecodingMethod
+from .diffusion_generate import Dream
 from .dual_cache import DualCache
 from .elastic import Elastic
 from .flash_cache import FlashCache
@@ -30,5 +31,5 @@ def method_of(name: str) -> DecodingMethod:
     return METHODS[name]
 
 
-for _method in (Reference, Parallel, PrefixCache, DualCache, FlashCache, FlashVerify, Elastic, Lossless):
+for _method in (Reference, Parallel, PrefixCache, DualCache, FlashCache, FlashVerify, Elastic, Lossless, Dream):
     register(_method)
