@@ -102,7 +102,9 @@ def test_settings_whole_or_as_keywords():
 
 
 def test_unknown_parameter():
-    with pytest.raises(ValueError, match="unknown setting 'top_p'"):
+    with pytest.raises(ValueError, match="unknown setting 'typical_p'"):
+        SamplingParams(typical_p=0.9)
+    with pytest.raises(ValueError, match="top_p applies to method dream, not 'parallel'"):
         SamplingParams(top_p=0.9)
 
 

@@ -137,7 +137,10 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": QUESTION, "seed": 2 ** 64}, "seed"),
     ("/v1/completions", {"prompt": QUESTION, "threshold": "high"}, "threshold"),
     ("/v1/completions", {"prompt": QUESTION, "method": "nope"}, "unknown method 'nope'"),
-    ("/v1/completions", {"prompt": QUESTION, "top_k": 5}, "unknown field 'top_k'"),
+    ("/v1/completions", {"prompt": QUESTION, "typical_p": 0.5}, "unknown field 'typical_p'"),
+    ("/v1/completions", {"prompt": QUESTION, "top_k": 5}, "top_k applies to method dream, not 'parallel'"),
+    ("/v1/completions", {"prompt": QUESTION, "top_p": 0.5}, "top_p=0.5 is not supported"),
+    ("/v1/completions", {"prompt": QUESTION, "method": "dream", "top_p": 1.5}, "top_p"),
     ("/v1/completions", {"prompt": QUESTION, "n": 2}, "n=2 is not supported"),
     ("/v1/completions", {"prompt": QUESTION, "logprobs": 1}, "logprobs"),
     ("/v1/completions", {"prompt": ""}, "the prompt is empty"),
@@ -306,6 +309,12 @@ def test_stop_string_cuts_token_ids_and_counts_the_work(client, offline):
     assert offline.decode(choice["token_ids"]).startswith(choice["text"])
     assert len(offline.decode(choice["token_ids"][:-1])) < len(choice["text"])  # no token past the cut
     assert cut["usage"]["completion_tokens"] == len(choice["token_ids"]) and cut["usage"]["nfe"] > 0
+
+
+def test_top_p_is_a_knob_of_the_methods_that_read_it(client, offline):
+    fields = {"method": "dream", "alg": "entropy", "temperature": 0.8, "top_p": 0.9, "seed": 5}
+    body = client.post("/v1/completions", json={"prompt": PROGRAM, **fields}).json()
+    assert body["choices"][0]["text"] == expected(offline, PROGRAM, **fields)
 
 
 def test_openai_nulls_and_the_developer_role(client, offline):

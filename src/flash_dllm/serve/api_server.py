@@ -26,7 +26,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..llm import LLM
 from .async_engine import Accepted, AsyncEngine, Failed, Finished, Prefix, Rejected, Request
-from .protocol import ChatCompletionRequest, CommonRequest, CompletionRequest, ServerDefaults, sampling_params
+from .protocol import (ChatCompletionRequest, CommonRequest, CompletionRequest, ServerDefaults, knobs_read,
+                       sampling_params)
 
 log = logging.getLogger("flash_dllm.serve")
 DISCONNECT_POLL_S = 0.5  # how often a waiting request asks whether its client is still there
@@ -182,10 +183,10 @@ def build_app(llm: LLM, config: ServeConfig) -> FastAPI:
 
     def admit(body: CommonRequest, prompts: list[list[int]]) -> list[Request]:
         """Checked requests for the engine (400 on a bad one), within the queue's bound (429 beyond it)."""
-        if message := body.unsupported():
-            raise APIError(400, message)
         check_model(body)
         try:
+            if message := body.unsupported(knobs_read(body, config.defaults)):
+                raise ValueError(message)
             params = sampling_params(body, config.defaults)
         except ValueError as error:
             raise APIError(400, str(error)) from None

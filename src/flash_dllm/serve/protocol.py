@@ -62,11 +62,12 @@ class CommonRequest(BaseModel):
     block_length: int | None = None
     return_token_ids: bool | None = False
 
-    def unsupported(self) -> str | None:
-        """The first OpenAI field set to a value we cannot honour, as an error message."""
+    def unsupported(self, reads: set[str]) -> str | None:
+        """The first OpenAI field set to a value we cannot honour, as an error message (`reads`: the knobs of
+        the request's method, which honours e.g. top_p if it reads it)."""
         neutral = {"n": 1, "top_p": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
         for name, value in neutral.items():
-            if getattr(self, name) not in (None, value):
+            if name not in reads and getattr(self, name) not in (None, value):
                 return f"{name}={getattr(self, name)} is not supported (only {value})"
         if self.logit_bias:
             return "logit_bias is not supported"
@@ -136,6 +137,11 @@ class ServerDefaults:
                    dict(given_knobs))
 
 
+def knobs_read(request: CommonRequest, defaults: ServerDefaults) -> set[str]:
+    """The knob names of the request's method (an unknown method: an error naming the methods)."""
+    return {f.name for f in dataclasses.fields(method_of(request.method or defaults.method).Settings)}
+
+
 def sampling_params(request: CommonRequest, defaults: ServerDefaults) -> SamplingParams:
     """The request's SamplingParams: its fields over the server's defaults. The server's knob defaults apply
     where the request's method reads them; a knob the request gives must be one its method reads."""
@@ -144,8 +150,10 @@ def sampling_params(request: CommonRequest, defaults: ServerDefaults) -> Samplin
         if name not in knobs():
             raise ValueError(f"unknown field {name!r}")
     method = request.method or defaults.method
-    reads = {f.name for f in dataclasses.fields(method_of(method).Settings)}
+    reads = knobs_read(request, defaults)
     given = {name: value for name, value in defaults.knobs.items() if name in reads} | extras
+    if "top_p" in reads and request.top_p is not None:  # an OpenAI field that some methods read as a knob
+        given["top_p"] = request.top_p
     max_tokens = request.max_tokens
     if isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None:
         max_tokens = request.max_completion_tokens
