@@ -84,12 +84,20 @@ def _settings_from_keywords(method: str, given: dict):
 
 @dataclass(frozen=True)
 class Knob:
-    """A setting that some methods read: its type, allowed values, help, and each reader's default."""
+    """A setting that some methods read: its type, allowed values, and each reader's help and default."""
     type: type
     choices: tuple | None
-    help: str
     symbol: str | None
+    helps: dict[str, str]
     defaults: dict[str, Any]
+
+    @property
+    def help(self) -> str:
+        """One help line, or each reader's where they differ (e.g. `steps` of reference and of dream)."""
+        distinct = set(self.helps.values())
+        if len(distinct) == 1:
+            return distinct.pop()
+        return "; ".join(f"{method}: {text}" for method, text in self.helps.items())
 
 
 def knobs() -> dict[str, Knob]:
@@ -99,6 +107,7 @@ def knobs() -> dict[str, Knob]:
         for f in dataclasses.fields(method.Settings):
             kind = {"int": int, "float": float}.get(str(f.type).split("|")[0].strip(), str)
             meta = f.metadata
-            found.setdefault(f.name, Knob(kind, meta.get("choices"), meta["help"], meta.get("symbol"), {}))
+            found.setdefault(f.name, Knob(kind, meta.get("choices"), meta.get("symbol"), {}, {}))
+            found[f.name].helps[method.name] = meta["help"]
             found[f.name].defaults[method.name] = f.default
     return found
