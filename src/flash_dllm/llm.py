@@ -115,9 +115,10 @@ class LLM:
             raise ValueError("chat_template=True, but the model's tokenizer has no chat template")
         self.engine = LLMEngine(self.runner, self.special, max_batch_size)
 
-    def encode(self, prompt: Prompt) -> list[int]:
+    def encode(self, prompt: Prompt, chat_template: bool | None = None) -> list[int]:
         """Token ids of a prompt: ids as given, messages or (with the chat template on) a string through the
-        chat template, or a plain string through the tokenizer."""
+        chat template, or a plain string through the tokenizer. chat_template: for string prompts, instead of
+        the LLM's setting (the server's raw-text completions turn it off)."""
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             bad = [t for t in prompt if not 0 <= t < self.config.vocab_size]
             if bad:
@@ -125,7 +126,7 @@ class LLM:
             return list(prompt)
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer (no tokenizer.json); give prompts as token-id lists")
-        if isinstance(prompt, str) and not self.use_chat_template:
+        if isinstance(prompt, str) and not (self.use_chat_template if chat_template is None else chat_template):
             text, add_special_tokens = prompt, True
         else:
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt

@@ -171,15 +171,7 @@ def build_app(llm: LLM, config: ServeConfig) -> FastAPI:
     def encode_completion(prompt) -> list[int]:
         if not prompt:
             raise ValueError("the prompt is empty")
-        if isinstance(prompt, str):
-            if llm.tokenizer is None:
-                raise ValueError("this model has no tokenizer: give the prompt as token ids")
-            try:
-                prompt.encode("utf-8")
-            except UnicodeEncodeError:  # a lone surrogate escape in the JSON
-                raise ValueError("the prompt is not valid UTF-8 text") from None
-            return llm.tokenizer.encode(prompt)
-        return llm.encode(prompt)
+        return llm.encode(prompt, chat_template=False)  # completions take raw text
 
     def admit(body: CommonRequest, prompts: list[list[int]]) -> list[Request]:
         """Checked requests for the engine (400 on a bad one), within the queue's bound (429 beyond it)."""
