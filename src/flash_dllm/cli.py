@@ -329,7 +329,7 @@ def cmd_serve(args):
     params = sampling_params_from_args(args)  # the server's defaults, checked before the model loads
     given = {name: getattr(args, name) for name in knobs() if getattr(args, name) is not None}
     config = ServeConfig(model_name=args.served_model_name or Path(args.model or "default").name,
-                         defaults=ServerDefaults.from_params(params, given), max_queue=args.max_queue,
+                         defaults=ServerDefaults(params, given), max_queue=args.max_queue,
                          api_key=args.api_key)
     sock = listening_socket(args.host, args.port)
     llm = llm_from_args(args, max_batch_size=args.max_batch)

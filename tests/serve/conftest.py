@@ -10,11 +10,11 @@ import httpx
 import pytest
 import uvicorn
 
-from flash_dllm import LLM
+from flash_dllm import LLM, SamplingParams
 from flash_dllm.serve.api_server import ServeConfig, build_app
 from flash_dllm.serve.protocol import ServerDefaults
 
-DEFAULTS = ServerDefaults(method="parallel", max_tokens=32, block_length=8)
+DEFAULTS = ServerDefaults(SamplingParams(method="parallel", max_tokens=32, block_length=8))
 
 
 @contextlib.contextmanager

@@ -411,12 +411,8 @@ def prometheus_text(engine: AsyncEngine, throttled: int) -> str:
 def warm_up(llm: LLM, defaults: ServerDefaults):
     """One request with the server's defaults before serving: allocations, kernel compilation and CUDA graphs
     happen here, not in the first client's latency."""
-    from ..sampling_params import SamplingParams
-
     probe = llm.encode("Hello") if llm.tokenizer is not None else [1, 2, 3, 4]
-    params = SamplingParams(method=defaults.method, max_tokens=defaults.max_tokens,
-                            block_length=defaults.block_length, **defaults.knobs)
-    llm.generate([probe], params, use_tqdm=False)
+    llm.generate([probe], defaults.params, use_tqdm=False)
 
 
 def listening_socket(host: str, port: int) -> socket.socket:

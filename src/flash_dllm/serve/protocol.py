@@ -124,22 +124,13 @@ class ChatCompletionRequest(CommonRequest):
 class ServerDefaults:
     """The server's defaults for the fields a request leaves out (`flash-dllm serve`'s decoding flags)."""
 
-    method: str
-    max_tokens: int
-    block_length: int
-    temperature: float = 0.0
-    seed: int = 0
-    knobs: dict[str, Any] = field(default_factory=dict)  # knob values given on the command line
-
-    @classmethod
-    def from_params(cls, params: SamplingParams, given_knobs: dict[str, Any]) -> ServerDefaults:
-        return cls(params.method, params.max_tokens, params.block_length, params.temperature, params.seed,
-                   dict(given_knobs))
+    params: SamplingParams  # the common fields, and the warm-up's request
+    knobs: dict[str, Any] = field(default_factory=dict)  # knobs given on the command line: any method's reads them
 
 
 def knobs_read(request: CommonRequest, defaults: ServerDefaults) -> set[str]:
     """The knob names of the request's method (an unknown method: an error naming the methods)."""
-    return {f.name for f in dataclasses.fields(method_of(request.method or defaults.method).Settings)}
+    return {f.name for f in dataclasses.fields(method_of(request.method or defaults.params.method).Settings)}
 
 
 def sampling_params(request: CommonRequest, defaults: ServerDefaults) -> SamplingParams:
@@ -149,7 +140,7 @@ def sampling_params(request: CommonRequest, defaults: ServerDefaults) -> Samplin
     for name in extras:
         if name not in knobs():
             raise ValueError(f"unknown field {name!r}")
-    method = request.method or defaults.method
+    common = defaults.params
     reads = knobs_read(request, defaults)
     given = {name: value for name, value in defaults.knobs.items() if name in reads} | extras
     if "top_p" in reads and request.top_p is not None:  # an OpenAI field that some methods read as a knob
@@ -158,7 +149,7 @@ def sampling_params(request: CommonRequest, defaults: ServerDefaults) -> Samplin
     if isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None:
         max_tokens = request.max_completion_tokens
     pick = lambda value, default: default if value is None else value
-    return SamplingParams(method=method, max_tokens=pick(max_tokens, defaults.max_tokens),
-                          block_length=pick(request.block_length, defaults.block_length),
-                          temperature=pick(request.temperature, defaults.temperature),
-                          seed=pick(request.seed, defaults.seed), **given)
+    return SamplingParams(method=request.method or common.method, max_tokens=pick(max_tokens, common.max_tokens),
+                          block_length=pick(request.block_length, common.block_length),
+                          temperature=pick(request.temperature, common.temperature),
+                          seed=pick(request.seed, common.seed), **given)
