@@ -21,6 +21,13 @@ from ..config import ModelConfig
 from .layers import DecoderLayer, PackedLinear, RMSNorm, Rotary, rotary_cos_sin
 
 
+def refuse_unsupported(cfg: dict, implemented: dict):
+    """A config.json key whose value differs from the one the architecture implements is a one-line error."""
+    for key, expected in implemented.items():
+        if key in cfg and cfg[key] != expected:
+            raise ValueError(f"config.json: {key}={cfg[key]!r} is not supported (expected {expected!r})")
+
+
 class DiffusionLM(nn.Module):
     model_type: ClassVar[str]  # config.json's model_type
     logit_shift: ClassVar[int] = 0

@@ -3,7 +3,7 @@ an untied LM head and shifted logits, in its checkpoint's names (`model.layers.{
 from __future__ import annotations
 
 from ..config import ModelConfig
-from .base import DiffusionLM
+from .base import DiffusionLM, refuse_unsupported
 
 # config.json keys of the Dream (Qwen2) format that we implement exactly; any other value is refused.
 _REQUIRED = {
@@ -26,9 +26,7 @@ class DreamModel(DiffusionLM):
 
     @classmethod
     def parse_config(cls, cfg: dict) -> ModelConfig:
-        for key, expected in _REQUIRED.items():
-            if key in cfg and cfg[key] != expected:
-                raise ValueError(f"config.json: {key}={cfg[key]!r} is not supported (expected {expected!r})")
+        refuse_unsupported(cfg, _REQUIRED)
         try:
             hidden, n_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
             n_layers, intermediate = int(cfg["num_hidden_layers"]), int(cfg["intermediate_size"])

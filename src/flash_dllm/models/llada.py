@@ -3,7 +3,7 @@ untied LM head, in its checkpoint's names (`model.transformer.blocks.{i}.attn_ou
 from __future__ import annotations
 
 from ..config import ModelConfig
-from .base import DiffusionLM
+from .base import DiffusionLM, refuse_unsupported
 
 # config.json keys of the LLaDA (OLMo-style) format that we implement exactly; any other value is refused.
 _REQUIRED = {
@@ -31,9 +31,7 @@ class LLaDAModel(DiffusionLM):
 
     @classmethod
     def parse_config(cls, cfg: dict) -> ModelConfig:
-        for key, expected in _REQUIRED.items():
-            if key in cfg and cfg[key] != expected:
-                raise ValueError(f"config.json: {key}={cfg[key]!r} is not supported (expected {expected!r})")
+        refuse_unsupported(cfg, _REQUIRED)
         try:
             d_model, n_heads = int(cfg["d_model"]), int(cfg["n_heads"])
             n_layers = int(cfg["n_layers"])
