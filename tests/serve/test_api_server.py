@@ -181,22 +181,29 @@ def test_bad_requests_are_400_while_a_good_one_completes(server, offline):
     assert text == expected(offline, PROGRAM, max_tokens=64)
 
 
+ABORTED = 'flash_dllm_requests_total{outcome="abort"}'
+
+
 def metric(client: httpx.Client, line: str) -> float:
     return float(next(row for row in client.get("/metrics").text.splitlines() if row.startswith(line + " ")).split()[1])
 
 
+def aborted_after(client: httpx.Client, before: float) -> float:
+    """The abort count once it has moved past `before` (within 5 s)."""
+    for _ in range(100):
+        if metric(client, ABORTED) > before:
+            break
+        threading.Event().wait(0.05)
+    return metric(client, ABORTED)
+
+
 def test_disconnect_mid_stream_frees_the_rows(server, client, offline):
-    aborted = 'flash_dllm_requests_total{outcome="abort"}'
-    before = metric(client, aborted)
+    before = metric(client, ABORTED)
     with httpx.Client(base_url=server, timeout=120) as first:
         with first.stream("POST", "/v1/completions", json={"prompt": QUESTION, **SLOW, "stream": True}):
             pass  # the headers arrived, so the request runs; then the client goes away
     # The abandoned request is aborted rather than run to its end, and the next one completes normally.
-    for _ in range(100):
-        if metric(client, aborted) > before:
-            break
-        threading.Event().wait(0.05)
-    assert metric(client, aborted) == before + 1
+    assert aborted_after(client, before) == before + 1
     assert client.post("/v1/completions", json={"prompt": PROGRAM}).json()["choices"][0]["text"] == \
         expected(offline, PROGRAM)
     assert metric(client, "flash_dllm_requests_running") == 0
@@ -254,15 +261,10 @@ def test_api_key(start_server, offline):
 
 
 def test_client_that_gives_up_on_a_full_response_is_aborted(server, client):
-    aborted = 'flash_dllm_requests_total{outcome="abort"}'
-    before = metric(client, aborted)
+    before = metric(client, ABORTED)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server + "/v1/completions", json={"prompt": QUESTION, **SLOW}, timeout=1.0)
-    for _ in range(100):
-        if metric(client, aborted) > before:
-            break
-        threading.Event().wait(0.05)
-    assert metric(client, aborted) == before + 1
+    assert aborted_after(client, before) == before + 1
 
 
 def test_an_engine_failure_fails_the_running_requests_only(start_server):
@@ -340,16 +342,11 @@ def test_errors_outside_the_api_keep_openais_shape(client):
 
 def test_disconnect_is_noticed_while_the_final_prefix_grows(server, client):
     """A stop string makes the engine report the prefix every step; a gone client is still noticed."""
-    aborted = 'flash_dllm_requests_total{outcome="abort"}'
-    before = metric(client, aborted)
+    before = metric(client, ABORTED)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server + "/v1/completions", json={"prompt": QUESTION, **SLOW, "remasking": "low_confidence",
                                                       "stop": "never appears"}, timeout=1.0)
-    for _ in range(100):
-        if metric(client, aborted) > before:
-            break
-        threading.Event().wait(0.05)
-    assert metric(client, aborted) == before + 1
+    assert aborted_after(client, before) == before + 1
 
 
 def test_a_request_that_fails_to_start_fails_alone(start_server):

@@ -128,12 +128,16 @@ class AsyncEngine:
     def _post(self, request: Request, loop: asyncio.AbstractEventLoop, event):
         loop.call_soon_threadsafe(request.events.put_nowait, event)
 
-    def _drain_inbox(self):
+    def _inbox_items(self):
+        """What the inbox holds now: (kind, request, loop), oldest first."""
         while True:
             try:
-                kind, request, loop = self._inbox.get_nowait()
+                yield self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _drain_inbox(self):
+        for kind, request, loop in self._inbox_items():
             if kind == "add":
                 try:
                     request.seq = self.engine.add_request(request.prompt_ids, request.params)
@@ -163,11 +167,7 @@ class AsyncEngine:
         finally:  # nobody may wait for an event that will never come
             with self._lock:
                 self._stopped = True
-            while True:
-                try:
-                    kind, request, loop = self._inbox.get_nowait()
-                except queue.Empty:
-                    break
+            for kind, request, loop in self._inbox_items():
                 if kind == "add":
                     self._post(request, loop, Failed(message))
             self._fail(list(self._active), message)
