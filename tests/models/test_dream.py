@@ -273,19 +273,14 @@ def test_bad_dream_checkpoint_is_a_one_line_error(gqa_checkpoint, tmp_path, muta
 
 # ----------------------------------------------------------------------------- decoding (smoke only)
 
-# The shift in the cached methods is issue 14 item 2: elastic's window pads with column 0, whose logit source
-# (column -1) fails runner.logit_rows' gather. strict: this marker must go when elastic handles the shift.
 @pytest.mark.parametrize("method", METHODS)
-def test_every_method_runs_on_dream_or_says_it_cannot(gqa_checkpoint, method):
-    """A method that handles the shift runs and produces token ids (its exactness on a shifted architecture
-    is tested elsewhere: tests/decoding/test_shifted.py for prefix-cache and dual-cache); the others, whose shift
-    is the rest of issue 14's item 2, fail in one line."""
+def test_every_method_runs_on_dream(gqa_checkpoint, method):
+    """Every method handles the shift and produces token ids (its exactness on a shifted architecture is
+    tested in tests/decoding/test_shifted.py)."""
+    assert METHODS[method].handles_logit_shift
     llm = LLM(str(gqa_checkpoint), device="cpu")
     prompt = random_ids(shape=(9,), seed=4).tolist()
     [out] = llm.generate([prompt], SamplingParams(method=method, max_tokens=16, block_length=8))
-    if not METHODS[method].handles_logit_shift:
-        assert out.finish_reason == "error" and "does not handle this model's shifted logits" in out.error
-        return
     assert out.error is None and out.finish_reason in ("stop", "length"), out.error
     assert out.prompt_token_ids == prompt and 0 < out.nfe and len(out.token_ids) <= 16
     assert all(0 <= t < 320 and t != llm.special.mask_id for t in out.token_ids)

@@ -11,7 +11,9 @@ A sequence's first pass computes every position. Each later step queries the pos
              rows), united over layers;
 and reads every other position, the masks beyond the window included, from the cache: K/V and each
 layer's input hidden state (`KVCache.hidden_states`). The window is decoded with the parallel threshold
-rule; the LM head runs on the window rows only.
+rule; the LM head runs on the window's logit rows only. On an architecture with shifted logits (Dream:
+column j's logits from the hidden state of column j - 1) those are the window's left neighbours, which join
+the query set; their attention is the one tracked.
 
 Drift and refresh. The reuse pass runs every layer over the query rows. At layer l it compares the tracked
 rows' attention before this step's update (the queries of their cached input hidden states against the
@@ -127,11 +129,11 @@ def select_tracked(key_mass: torch.Tensor, decoded: torch.Tensor, lengths: torch
 
 
 def _prepare(runner: ModelRunner, batch: DecodeBatch, order: list[int], selected: torch.Tensor, counts: list[int],
-             window: torch.Tensor) -> CachedPass:
+             track: torch.Tensor) -> CachedPass:
     """A pass over the columns `selected` [B, W] of the batch rows in `order` (counts: how many each selects);
-    the window's rows are tracked."""
+    the rows of the columns `track` [B, W] are tracked."""
     columns = leading_columns(selected[device_tensor(order, batch.tokens.device)], max(counts))[0]
-    return runner.prepare(batch, counts, columns, order=order, track=window)
+    return runner.prepare(batch, counts, columns, order=order, track=track)
 
 
 def _leading_groups(p: CachedPass, groups: int) -> tuple[AttentionMetadata, int]:
@@ -178,10 +180,11 @@ def _reuse_pass(runner: ModelRunner, batch: DecodeBatch, reuse: CachedPass, trac
     return x, key_mass, similarity
 
 
-def _refresh_pass(runner: ModelRunner, batch: DecodeBatch, first_layer: list[int], window: torch.Tensor,
+def _refresh_pass(runner: ModelRunner, batch: DecodeBatch, first_layer: list[int], predicting: torch.Tensor,
                   key_mass: torch.Tensor) -> tuple[CachedPass, torch.Tensor] | None:
     """Recompute layers first_layer[b]..L-1 over every position of the rows b with first_layer[b] < L, each
-    from its cached input hidden states at its first layer. Overwrites their key_mass rows at those layers.
+    from its cached input hidden states at its first layer. Overwrites their key_mass rows at those layers
+    (the attention of the `predicting` [B, W] rows).
     Returns the pass and its final hidden states [N, d], or None if no row refreshes."""
     model, cache = runner.model, runner.cache
     layers, hidden = model.layers, cache.hidden_states()
@@ -193,7 +196,7 @@ def _refresh_pass(runner: ModelRunner, batch: DecodeBatch, first_layer: list[int
                             for row, first in zip(batch.rows, first_layer)])
     starts = [first_layer[b] for b in order]
     lengths = [batch.rows[b].length for b in order]
-    refresh = _prepare(runner, batch, order, batch.attention_mask, lengths, window)
+    refresh = _prepare(runner, batch, order, batch.attention_mask, lengths, predicting)
     device = refresh.request.device
     rope = Rotary.at(refresh.positions, model.config)
     slots = refresh.metadata.slot_mapping
@@ -215,6 +218,7 @@ def _refresh_pass(runner: ModelRunner, batch: DecodeBatch, first_layer: list[int
 class Elastic(DecodingMethod):
     name = "elastic"
     Settings = ElasticSettings
+    handles_logit_shift = True  # the window's logit sources join its query set
     uses_cache = True
     caches_hidden_states = True
     uses_blocks = False
@@ -231,7 +235,9 @@ class Elastic(DecodingMethod):
         drift = not all(row.is_first_pass for row in batch.rows)  # some row is past its first pass
         counts = [row.length if row.next_query_rows is None else row.next_query_rows for row in batch.rows]
         batch.count_query_rows(counts)
-        reuse = _prepare(runner, batch, list(range(B)), state.tracked | state.newly | window, counts, window)
+        predicting = runner.logit_sources(window)  # the window itself, unless the architecture shifts its logits
+        reuse = _prepare(runner, batch, list(range(B)), state.tracked | state.newly | window | predicting, counts,
+                         predicting)
         x, key_mass, similarity = _reuse_pass(runner, batch, reuse, state.tracked, drift)
 
         win_column, win_valid = leading_columns(window, min(settings.mask_window, width))
@@ -241,7 +247,7 @@ class Elastic(DecodingMethod):
             fires = (similarity < settings.drift_threshold) | (settings.drift_threshold >= 1)
             fires &= batch.counters.steps > 0                                                # [L, B]
             first_layer = torch.where(fires.any(dim=0), fires.int().argmax(dim=0), fires.shape[0])
-            refreshed = _refresh_pass(runner, batch, first_layer.tolist(), window, key_mass)  # 2nd host read
+            refreshed = _refresh_pass(runner, batch, first_layer.tolist(), predicting, key_mass)  # 2nd host read
             if refreshed is not None:
                 refresh, x_refresh = refreshed
                 rows = runner.logit_rows(refresh.flat_of_column, win_column)
@@ -257,6 +263,7 @@ class Elastic(DecodingMethod):
         state.newly = torch.zeros_like(window).scatter_(1, win_column, transfer)
         state.tracked = select_tracked(key_mass, decoded, batch.lengths, settings.track_num)
         next_window = window_mask(tokens, batch.gen_start, settings.mask_window, mask_id, batch.stop_ids)
-        batch.next_query_rows = (state.tracked | state.newly | next_window).sum(dim=1)
+        next_queries = state.tracked | state.newly | next_window | runner.logit_sources(next_window)
+        batch.next_query_rows = next_queries.sum(dim=1)
         batch.counters.steps += 1
         batch.counters.nfe += 1

@@ -7,6 +7,11 @@ the softmax attention mass the masked queries gave them in the previous step (ov
 fewer than beta_m masks remain, or fewer than beta_t positions are decoded, the spare rows go to the
 remaining candidates (decoded positions, or the nearest masks beyond the window), so the query count stays
 fixed. Every other position is read from the KV cache.
+
+On an architecture with shifted logits (Dream: column j's logits from the hidden state of column j - 1) the
+window's logit sources rank above the window itself: a decoded source takes a tracking row, and where the
+budget is short the last mask of a run of the window is read from the cache (its logits still come fresh from
+its left neighbour). The tracked attention is the sources' (the queries that predict the masks).
 """
 from __future__ import annotations
 
@@ -47,8 +52,9 @@ class FlashCacheState:
     decoded_at: torch.Tensor  # long: the step that decoded the position; -1 for the prompt and for masks
 
 
-def query_priority(batch: DecodeBatch) -> torch.Tensor:
-    """[B, W] score whose top-Q columns per row are the step's queries (-inf: never a query)."""
+def query_priority(batch: DecodeBatch, logit_sources=None) -> torch.Tensor:
+    """[B, W] score whose top-Q columns per row are the step's queries (-inf: never a query). logit_sources:
+    the runner's map from columns to the columns that give their logits, for a shifted architecture."""
     tokens, real, state = batch.tokens, batch.attention_mask, batch.state
     width = tokens.shape[1]
     columns = torch.arange(width, device=tokens.device)
@@ -60,12 +66,14 @@ def query_priority(batch: DecodeBatch) -> torch.Tensor:
     priority = torch.where(masked, 1.0 - columns / width, 2.0 + relative_mass)          # decoded above far masks
     priority = torch.where(newly, 3.5, priority)
     priority = torch.where(window, 5.0, priority)
+    if logit_sources is not None:
+        priority = torch.where(logit_sources(window), 6.0, priority)
     return priority.masked_fill(~real, float("-inf"))
 
 
 class FlashCache(Parallel):
     name = "flash-cache"
-    handles_logit_shift = False  # its query set must also hold each masked column's left neighbour (issue 14)
+    handles_logit_shift = True  # the window's logit sources rank first among its queries
     Settings = FlashCacheSettings
     uses_cache = True
     published_block_length = 16
@@ -90,10 +98,11 @@ class FlashCache(Parallel):
         counts = [row.length if row.is_first_pass else min(budget, row.length) for row in batch.rows]
         batch.count_query_rows(counts)
         width, lengths, max_q = batch.tokens.shape[1], batch.lengths, max(counts)
-        chosen = torch.topk(query_priority(batch), max_q, dim=1).indices                  # [B, Qmax]
+        shifted = runner.logit_sources if runner.logit_shift else None
+        chosen = torch.topk(query_priority(batch, shifted), max_q, dim=1).indices          # [B, Qmax]
         valid = torch.arange(max_q, device=device) < device_tensor(counts, device)[:, None]
         chosen = torch.where(valid, chosen, width).sort(dim=1).values                      # ascending, invalid last
-        p = runner.prepare(batch, counts, chosen, track=batch.tokens == batch.mask_id)
+        p = runner.prepare(batch, counts, chosen, track=runner.logit_sources(batch.tokens == batch.mask_id))
         key_mass = torch.zeros(len(counts), p.metadata.max_kv, device=device)
         hidden = runner.run(p, key_mass)
 

@@ -11,6 +11,13 @@ views at S's positions. Isolation, with i, j ranks in S:
 Candidate i is accepted if the mask view's argmax equals its draft and the mask view's confidence is at
 least gamma ("sequential", stop at the first failure), or while the product of the mask views'
 probabilities of the drafts stays at least gamma ("cumprod"). At least one token is decoded per iteration.
+
+On an architecture with shifted logits (Dream: column j's logits from the hidden state of column j - 1) the
+mask view of candidate i does not predict its own column. The pass then adds a PREDICT row per candidate: a
+query of column p_i - 1 holding view i's token there (the context's token, draft k for a candidate k < i, the
+mask for k > i) that sees what mask row i sees; no row sees it. Its hidden state gives candidate i's logits.
+Column p_i - 1 is always in the pass (a context row or a view: the draft pass queried the window's left
+neighbours), so the cache never shows it.
 """
 from __future__ import annotations
 
@@ -29,18 +36,25 @@ if TYPE_CHECKING:
     from ..batch import DecodeBatch
     from ..engine.model_runner import ModelRunner
 
-CONTEXT, DRAFT, MASK = 0, 1, 2
+CONTEXT, DRAFT, MASK, PREDICT = 0, 1, 2, 3
 
 
 def verify_visibility(role: torch.Tensor, rank: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """role, rank, valid [B, Q] (pass rows in padded order) -> [B, Q, Q]: query row sees key row."""
+    """role, rank, valid [B, Q] (pass rows in padded order) -> [B, Q, Q]: query row sees key row. A PREDICT
+    row sees what the mask row of its rank sees; no row sees a PREDICT row."""
     q_role, k_role = role[:, :, None], role[:, None, :]
     q_rank, k_rank = rank[:, :, None], rank[:, None, :]
+    q_view = (q_role == MASK) | (q_role == PREDICT)
     sees_context = k_role == CONTEXT
     sees_mask = (k_role == MASK) & ((q_role == CONTEXT) | ((q_role == DRAFT) & (k_rank > q_rank))
-                                    | ((q_role == MASK) & (k_rank >= q_rank)))
-    sees_draft = (k_role == DRAFT) & (((q_role == DRAFT) & (k_rank <= q_rank)) | ((q_role == MASK) & (k_rank < q_rank)))
+                                    | (q_view & (k_rank >= q_rank)))
+    sees_draft = (k_role == DRAFT) & (((q_role == DRAFT) & (k_rank <= q_rank)) | (q_view & (k_rank < q_rank)))
     return (sees_context | sees_mask | sees_draft) & valid[:, None, :]
+
+
+def _entries(columns, valid, ids, role: int, rank) -> tuple[torch.Tensor, ...]:
+    """One group of verify-pass entries [B, k]: columns, valid, token ids, role and rank (a tensor or 0)."""
+    return columns, valid, ids, torch.full_like(columns, role), torch.zeros_like(columns) + rank
 
 
 def _compact(keys: torch.Tensor, valid: torch.Tensor, *values: torch.Tensor):
@@ -81,7 +95,8 @@ class FlashVerify(FlashCache):
         num_candidates = candidates.sum(dim=1)
         batch.counters.nfe += (num_candidates > 0).long()  # the verify pass, for the rows that have one
 
-        # Pass rows per request: context (tracked decoded columns of the draft pass, then D), S drafts, S masks.
+        # Pass rows per request: context (tracked decoded columns of the draft pass, then D), S drafts, S masks,
+        # and on a shifted architecture the S predictors (the entries that give S's logits come last).
         safe_queries = draft_queries.clamp(max=width - 1)
         tracked = (draft_queries < width) & (tokens.gather(1, safe_queries) != mask_id)
         rank = confidence_ranks(confidence.masked_fill(~candidates, float("-inf")))   # S first, by confidence
@@ -90,13 +105,17 @@ class FlashVerify(FlashCache):
         n = columns.shape[1]
         s_valid = torch.arange(n, device=device) < num_candidates[:, None]
         by_rank = torch.arange(n, device=device).expand_as(s_columns)
-        pass_columns = torch.cat([safe_queries, columns, s_columns, s_columns], dim=1)
-        valid = torch.cat([tracked, accept_now, s_valid, s_valid], dim=1) & (num_candidates > 0)[:, None]
-        ids = torch.cat([tokens.gather(1, safe_queries), torch.where(accept_now, drafts, block),
-                         drafts.gather(1, s_order), torch.full_like(s_columns, mask_id)], dim=1)
-        role = torch.cat([torch.full_like(safe_queries, CONTEXT), torch.full_like(columns, CONTEXT),
-                          torch.full_like(s_columns, DRAFT), torch.full_like(s_columns, MASK)], dim=1)
-        ranks = torch.cat([torch.zeros_like(safe_queries), torch.zeros_like(columns), by_rank, by_rank], dim=1)
+        draft_ids, mask_ids = drafts.gather(1, s_order), torch.full_like(s_columns, mask_id)
+        entries = [_entries(safe_queries, tracked, tokens.gather(1, safe_queries), CONTEXT, 0),
+                   _entries(columns, accept_now, torch.where(accept_now, drafts, block), CONTEXT, 0),
+                   _entries(s_columns, s_valid, draft_ids, DRAFT, by_rank),
+                   _entries(s_columns, s_valid, mask_ids, MASK, by_rank)]
+        if runner.logit_shift:
+            source, view_ids = self.predictors(runner.logit_shift, tokens, columns, accept_now, drafts, s_columns,
+                                               s_valid, draft_ids, by_rank)
+            entries.append(_entries(source, s_valid, view_ids, PREDICT, by_rank))
+        pass_columns, valid, ids, role, ranks = (torch.cat(part, dim=1) for part in zip(*entries))
+        valid = valid & (num_candidates > 0)[:, None]
         slot = torch.arange(valid.shape[1], device=device).expand_as(valid)          # where each entry started
         pass_columns, valid, ids, role, ranks, slot = _compact(pass_columns, valid, ids, role, ranks, slot)
         counts = valid.sum(dim=1).tolist()  # the verify pass's shape (a second host sync per iteration)
@@ -106,6 +125,20 @@ class FlashVerify(FlashCache):
                                               drafts, s_order, s_columns, s_valid, candidates)
         stuck = ~transfer.any(dim=1, keepdim=True)                                     # decode at least one
         return drafts, transfer | (stuck & masked & (confidence_ranks(confidence) == 0))
+
+    @staticmethod
+    def predictors(shift, tokens, columns, accept_now, drafts, s_columns, s_valid, draft_ids, by_rank):
+        """S's predictors by rank: their columns p_i - shift [B, n] and view i's token there [B, n]."""
+        width = tokens.shape[1]
+        context_ids = tokens.scatter(1, columns, torch.where(accept_now, drafts, tokens.gather(1, columns)))
+        rank_of_column = torch.full_like(tokens, width).scatter(1, s_columns, torch.where(s_valid, by_rank, width))
+        draft_of_column = tokens.scatter(1, s_columns, draft_ids)
+        source = (s_columns - shift).clamp(min=0)  # a column of the generated region is never a row's first
+        source_rank = rank_of_column.gather(1, source)
+        view_ids = torch.where(source_rank < by_rank, draft_of_column.gather(1, source),   # an earlier candidate
+                               torch.where(source_rank < width, tokens.gather(1, source), # a later one: its mask
+                                           context_ids.gather(1, source)))
+        return source, view_ids
 
     def verify(self, runner, batch, counts, columns, valid, ids, role, ranks, slot, drafts, s_order, s_columns,
                s_valid, candidates) -> torch.Tensor:
@@ -118,13 +151,12 @@ class FlashVerify(FlashCache):
         batch.count_query_rows(counts)
         hidden = runner.run(p)
 
-        # The flat row of each pass entry, by where the entry started; S's mask views started at the last n,
-        # and give the logits of S's columns.
+        # The flat row of each pass entry, by where the entry started; the last n entries (S's mask views, or its
+        # predictors on a shifted architecture) give the logits of S's columns.
         n = s_order.shape[1]
         flat_index = torch.full((len(counts), num_slots), -1, dtype=torch.long, device=device)
         flat_index.scatter_(1, slot, torch.where(valid, valid.flatten().long().cumsum(0).view_as(valid) - 1, -1))
-        mask_view_of_column = torch.full_like(batch.tokens, -1).scatter_(1, s_columns, flat_index[:, num_slots - n:])
-        logits = runner.logits(hidden, mask_view_of_column, s_columns)                # [B, n] by rank
+        logits = runner.logits_of(hidden, flat_index[:, num_slots - n:])             # [B, n] by rank
         probs = torch.softmax(logits.double(), dim=-1)
         mask_choice = probs.index_fill(-1, device_tensor([batch.mask_id], device), -1.0).argmax(dim=-1)
         draft_by_rank = drafts.gather(1, s_order)

@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from ..batch import DecodeBatch
 from ..cache.attention_metadata import AttentionMetadata, FlatRows, device_tensor
@@ -153,11 +154,20 @@ class ModelRunner:
         then -1 here)."""
         return flat_of_column.gather(1, self._logit_source(columns))
 
+    def logit_sources(self, selected: torch.Tensor) -> torch.Tensor:
+        """selected [B, W] bool -> [B, W] bool: the columns whose hidden states give the selected columns' logits
+        (a cached pass needs them among its query rows)."""
+        shift = self.logit_shift
+        return F.pad(selected[:, shift:], (0, shift)) if shift else selected
+
     def logits(self, hidden: torch.Tensor, flat_of_column: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
         """fp32 logits [B, n] of the columns [B, n] from a cached pass's final-normed hidden states [N, d]
         (a column whose row is not in the pass gets garbage, which must not be used)."""
-        rows = self.logit_rows(flat_of_column, columns).clamp(min=0)
-        return self._checked(self.model.compute_logits(hidden[rows]).float())
+        return self.logits_of(hidden, self.logit_rows(flat_of_column, columns))
+
+    def logits_of(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [...] of the flat rows [...] of a cached pass (-1: garbage, which must not be used)."""
+        return self._checked(self.model.compute_logits(hidden[rows.clamp(min=0)]).float())
 
     def _checked(self, logits: torch.Tensor) -> torch.Tensor:
         """The first forward's logits, checked once (one host sync in the runner's life): finite weights can still
@@ -172,5 +182,6 @@ class ModelRunner:
         return logits
 
     def _logit_source(self, columns: torch.Tensor) -> torch.Tensor:
-        """The column whose hidden state gives each column's logits (a generated column, so never a row's first)."""
-        return columns - self.logit_shift if self.logit_shift else columns
+        """The column whose hidden state gives each column's logits (clamped: the columns that matter are generated
+        ones, never a row's first; padding entries may be column 0)."""
+        return (columns - self.logit_shift).clamp(min=0) if self.logit_shift else columns
