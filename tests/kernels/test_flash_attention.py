@@ -15,6 +15,7 @@ CASES = {
     "two-query-tiles": ([70, 1], [80, 5], 2, 1, 16),
     "eight-requests": ([66, 3, 0, 70, 5, 1, 2, 9], [10, 4, 0, 80, 3, 2, 1, 20], 2, 1, 16),  # verify's 128-row tiles
     "head-dim-128": ([70, 3], [150, 40], 2, 1, 128),  # LLaDA-8B's head size: fp32 tiles must fit the GPU's smem
+    "dream-gqa-7": ([9, 33], [40, 70], 7, 1, 128),    # Dream-7B's groups: 7 query heads per KV head (28 / 4)
 }
 DTYPES = [torch.float32, torch.bfloat16]
 

@@ -12,7 +12,8 @@ from flash_dllm.models.layers import apply_rotary, rotary_cos_sin
 # two) and d_model 96 (a partial K tile); LLaDA-like d_model 384; head_dim 96 (a head in two column chunks,
 # the second partial); the many-row tiling (more rows than one tile) with LLaDA's head_dim 128.
 SHAPES = [(64, 4, 4, 16, False, 9), (96, 4, 2, 24, True, 37), (384, 6, 2, 64, False, 20),
-          (64, 2, 1, 32, True, 150), (64, 2, 2, 96, True, 20), (64, 2, 1, 128, False, 300)]
+          (64, 2, 1, 32, True, 150), (64, 2, 2, 96, True, 20), (64, 2, 1, 128, False, 300),
+          (128, 7, 1, 128, True, 40)]  # Dream-7B's head: 7 query heads per KV head, q/k/v biases
 
 
 def make_inputs(d, heads, kv_heads, head_dim, bias, rows, dtype, seed=0):
