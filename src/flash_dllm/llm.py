@@ -107,7 +107,7 @@ class LLM:
             self.model = load_model(self.path, self.device, self.dtype)
         self.config = self.model.config
         self.runner = ModelRunner(self.model, kernels=kernels, cuda_graphs=cuda_graphs, kv_cache_bytes=kv_cache_bytes)
-        self.tokenizer = load_tokenizer(self.path)
+        self.tokenizer = load_tokenizer(self.path, self.model.vocab_merges_tokenizer)
         self.special = special_tokens(self.config, self.path, self.tokenizer)
         has_template = self.tokenizer is not None and bool(getattr(self.tokenizer, "chat_template", None))
         self.use_chat_template = has_template if chat_template is None else chat_template

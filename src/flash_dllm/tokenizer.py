@@ -7,24 +7,31 @@ from pathlib import Path
 
 from .config import ModelConfig
 
-EOT_TOKEN = "<|eot_id|>"  # end of a chat turn in LLaDA's template; its id comes from the tokenizer
+# The end of a chat turn in LLaDA's template and in Qwen's (Dream); their ids come from the tokenizer.
+END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>")
 MASK_TOKEN = "<|mdm_mask|>"
 
 
 @dataclass(frozen=True)
 class SpecialTokens:
     mask_id: int
-    stop_ids: tuple[int, ...]  # generation ends at the first of these (eos, eot)
+    stop_ids: tuple[int, ...]  # generation ends at the first of these (eos, end of turn)
     pad_id: int
 
 
-def load_tokenizer(path: Path | None):
-    """The directory's PreTrainedTokenizerFast (with its chat template), or None without tokenizer.json."""
-    if path is None or not (path / "tokenizer.json").is_file():
+def load_tokenizer(path: Path | None, vocab_merges_class: str | None = None):
+    """The directory's tokenizer with its chat template, without remote code: from tokenizer.json, or from
+    vocab.json + merges.txt through the transformers class the architecture names (Dream ships its tokenizer
+    that way, with a remote-code class that copies Qwen2's); None if it has neither."""
+    if path is None:
         return None
-    from transformers import PreTrainedTokenizerFast
+    import transformers
 
-    return PreTrainedTokenizerFast.from_pretrained(str(path))
+    if (path / "tokenizer.json").is_file():
+        return transformers.PreTrainedTokenizerFast.from_pretrained(str(path))
+    if vocab_merges_class and (path / "vocab.json").is_file() and (path / "merges.txt").is_file():
+        return getattr(transformers, vocab_merges_class).from_pretrained(str(path))
+    return None
 
 
 def special_tokens(cfg: ModelConfig, path: Path | None, tokenizer) -> SpecialTokens:
@@ -33,7 +40,7 @@ def special_tokens(cfg: ModelConfig, path: Path | None, tokenizer) -> SpecialTok
     if mask_id is None:
         raise ValueError("no mask token id: config.json has no mask_token_id and the tokenizer has no "
                          f"{MASK_TOKEN} token")
-    stops = [cfg.eos_token_id, vocab.get(EOT_TOKEN)]
+    stops = [cfg.eos_token_id, *(vocab.get(token) for token in END_OF_TURN_TOKENS)]
     if tokenizer is not None:
         stops.append(tokenizer.eos_token_id)
     generation_config = path / "generation_config.json" if path is not None else None

@@ -11,6 +11,7 @@ finishes early. The measured tokens per iteration are reported; `forced` says wh
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 import time
 from dataclasses import dataclass
@@ -77,6 +78,7 @@ def bench_step(llm, params: SamplingParams, batch: int, prompt_length: int, warm
     prompts = torch.randint(0, cfg.vocab_size, (batch, prompt_length), generator=generator)
     prompts[prompts == llm.special.mask_id] = llm.special.pad_id
     if device.type == "cuda":
+        gc.collect()  # the previous call's engine (its cache, its graphs) sits in reference cycles until collected
         torch.cuda.reset_peak_memory_stats(device)
     method = method_of(params.method)
     cache_bytes = batch * length * KVCache.bytes_per_row(cfg, llm.dtype, with_hidden=method.caches_hidden_states)

@@ -31,6 +31,9 @@ def refuse_unsupported(cfg: dict, implemented: dict):
 class DiffusionLM(nn.Module):
     model_type: ClassVar[str]  # config.json's model_type
     logit_shift: ClassVar[int] = 0
+    # The transformers tokenizer class that reads the checkpoint's vocab.json + merges.txt where it ships no
+    # tokenizer.json (None: tokenizer.json only).
+    vocab_merges_tokenizer: ClassVar[str | None] = None
     # Generic module -> checkpoint tensor prefix. Keys: "embed", "final_norm", "lm_head", "layer" (with {i}),
     # and per layer "attn_norm", "attention.qkv_proj", "attention.o_proj", "mlp_norm", "mlp.gate_up_proj",
     # "mlp.down_proj"; a packed projection maps to one name per shard.

@@ -16,6 +16,7 @@ _REQUIRED = {
 class DreamModel(DiffusionLM):
     model_type = "Dream"
     logit_shift = 1
+    vocab_merges_tokenizer = "Qwen2TokenizerFast"  # the HF repo's remote-code DreamTokenizer is Qwen2's
     checkpoint_names = {
         "embed": "model.embed_tokens", "final_norm": "model.norm", "lm_head": "lm_head",
         "layer": "model.layers.{i}", "attn_norm": "input_layernorm",
