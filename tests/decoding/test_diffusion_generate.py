@@ -14,6 +14,7 @@ from test_shifted import PROMPTS, dream_checkpoint
 from flash_dllm import LLM, SamplingParams
 from flash_dllm.batch import Counters, DecodeBatch, RowState
 from flash_dllm.cli import main
+from flash_dllm.decoding import diffusion_generate
 from flash_dllm.decoding.diffusion_generate import filtered_logits
 from flash_dllm.decoding.registry import method_of
 
@@ -157,6 +158,19 @@ def test_batched_equals_alone(dream, knobs):
         alone = dream.generate([prompt], params)[0]
         assert out.error is None and len(out.token_ids) > 0
         assert out.token_ids == alone.token_ids and out.steps == alone.steps
+
+
+@pytest.mark.parametrize("knobs", [dict(alg="entropy", steps=G // 4),
+                                   dict(alg="maskgit_plus", temperature=0.7, alg_temp=0.5, top_p=0.95, seed=5)],
+                         ids=["greedy-entropy", "sampled"])
+def test_logits_in_chunks_of_columns_change_nothing(dream, knobs, monkeypatch):
+    """The float64 logits are taken a few columns at a time (Dream's vocabulary would need tens of GB at once);
+    one column per chunk gives the same tokens as one chunk for all."""
+    params = SamplingParams(method="dream", max_tokens=G, **knobs)
+    whole = dream.generate(PROMPTS, params)
+    monkeypatch.setattr(diffusion_generate, "CHUNK_BYTES", 1)
+    for a, b in zip(dream.generate(PROMPTS, params), whole):
+        assert a.token_ids == b.token_ids and a.steps == b.steps
 
 
 def test_origin_sampling_is_reproducible_per_seed(dream):

@@ -271,6 +271,75 @@ def test_bad_dream_checkpoint_is_a_one_line_error(gqa_checkpoint, tmp_path, muta
     assert "\n" not in str(error.value)
 
 
+# ----------------------------------------------------------------------------- tokenizer (vocab.json + merges.txt)
+
+DREAM_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>")
+QWEN_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def write_dream_tokenizer(path: Path) -> dict[str, int]:
+    """A byte-level BPE in the layout of Dream's Hugging Face repo: vocab.json, merges.txt and a
+    tokenizer_config.json whose tokenizer class is remote code (DreamTokenizer), its special tokens added after
+    the BPE vocabulary. Returns the special tokens' ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from conftest import CORPUS
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator(CORPUS + ["héllo wörld ✓"], trainers.BpeTrainer(
+        vocab_size=360, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer.model.save(str(path))
+    ids = {token: tokenizer.get_vocab_size() + i for i, token in enumerate(DREAM_SPECIAL_TOKENS)}
+    added = {str(i): {"content": token, "lstrip": False, "normalized": False, "rstrip": False,
+                      "single_word": False, "special": True} for token, i in ids.items()}
+    config = {"tokenizer_class": "DreamTokenizer",
+              "auto_map": {"AutoTokenizer": ["tokenization_dream.DreamTokenizer", None]},
+              "added_tokens_decoder": added, "bos_token": None, "eos_token": "<|endoftext|>",
+              "pad_token": "<|endoftext|>", "mask_token": "<|mask|>", "chat_template": QWEN_CHAT_TEMPLATE}
+    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return ids
+
+
+@pytest.fixture(scope="module")
+def chat_checkpoint(tmp_path_factory) -> tuple[Path, dict[str, int]]:
+    path = tmp_path_factory.mktemp("dream_chat")
+    ids = write_dream_tokenizer(path)
+    eos = ids["<|endoftext|>"]
+    dream_checkpoint(path, vocab_size=400, mask_token_id=ids["<|mask|>"], eos_token_id=eos, pad_token_id=eos,
+                     bos_token_id=eos)
+    assert not (path / "tokenizer.json").exists()
+    return path, ids
+
+
+def test_tokenizer_from_vocab_and_merges_with_its_chat_template(chat_checkpoint):
+    path, ids = chat_checkpoint
+    llm = LLM(str(path), device="cpu")
+    assert llm.use_chat_template and llm.special.mask_id == ids["<|mask|>"]
+    assert llm.special.stop_ids == (ids["<|endoftext|>"], ids["<|im_end|>"])  # eos, and the end of a turn
+    text = "héllo wörld ✓ 3 + 4 = 7"
+    assert llm.tokenizer.decode(llm.encode(text, chat_template=False)) == text
+    prompt = llm.encode("hi")
+    expected = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+    assert llm.tokenizer.decode(prompt) == expected + "<|im_start|>assistant\n"
+    assert prompt.count(ids["<|im_end|>"]) == 2 and prompt.count(ids["<|im_start|>"]) == 3  # one id each
+
+
+def test_chat_prompts_generate_text(chat_checkpoint):
+    llm = LLM(str(chat_checkpoint[0]), device="cpu")
+    outs = llm.generate(["hi", "What is 3 + 4?"], SamplingParams(method="flash-cache", max_tokens=16,
+                                                                 block_length=8))
+    assert all(out.error is None and isinstance(out.text, str) for out in outs)
+    assert all(out.text == llm.tokenizer.decode(out.token_ids, skip_special_tokens=True) for out in outs)
+
+
 # ----------------------------------------------------------------------------- decoding (smoke only)
 
 @pytest.mark.parametrize("method", METHODS)

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from ..engine.model_runner import ModelRunner
 
 ALGORITHMS = ("origin", "maskgit_plus", "topk_margin", "entropy")
+CHUNK_BYTES = 1 << 28  # the float64 logits of one chunk of generated columns, over the whole batch
 
 
 @dataclass(frozen=True)
@@ -125,16 +126,22 @@ class Dream(DecodingMethod):
     name = "dream"
     Settings = DreamSettings
     uses_blocks = False
-    handles_logit_shift = True  # full forwards: the runner's full_logits applies the shift
+    handles_logit_shift = True  # full forwards: the runner's logits_at applies the shift
 
     def step(self, runner: ModelRunner, batch: DecodeBatch):
         settings, start = batch.params.settings, batch.gen_start
-        offsets = torch.arange(batch.params.max_tokens, device=batch.tokens.device).expand(batch.tokens.shape[0], -1)
+        B, generated_length = batch.tokens.shape[0], batch.params.max_tokens
+        offsets = torch.arange(generated_length, device=batch.tokens.device).expand(B, -1)
         batch.count_query_rows([row.length for row in batch.rows])
-        logits = runner.full_logits(batch.tokens, batch.positions, batch.attention_mask, start + offsets)
+        hidden = runner.model.hidden_states(batch.tokens, batch.positions, batch.attention_mask)
+        # Every generated position's logits at once, in float64, would take B x G x V x 8 bytes several times
+        # over (tens of GB at Dream's vocabulary): chunks of columns bound the working memory.
+        chunk = max(1, CHUNK_BYTES // (B * runner.model.config.vocab_size * 8))
+        tokens, confidence = (torch.cat(parts, dim=1) for parts in zip(*(
+            dream_tokens(runner.logits_at(hidden, start + offsets[:, i:i + chunk]), batch, offsets[:, i:i + chunk])
+            for i in range(0, generated_length, chunk))))
         generated = batch.tokens[:, start:]
         masked = generated == batch.mask_id
-        tokens, confidence = dream_tokens(logits, batch, offsets)
         ratio, last = step_ratio(batch)
         if settings.alg == "origin":
             u = counter_uniform(batch.seed, batch.counters.steps, offsets, REMASK_STREAM)

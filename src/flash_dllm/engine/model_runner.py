@@ -97,7 +97,11 @@ class ModelRunner:
     def full_logits(self, tokens: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor,
                     columns: torch.Tensor) -> torch.Tensor:
         """One forward over tokens [B, W] (left-padded rows) -> fp32 logits [B, n] of the columns [B, n]."""
-        hidden = self.model.hidden_states(tokens, positions, attention_mask)
+        return self.logits_at(self.model.hidden_states(tokens, positions, attention_mask), columns)
+
+    def logits_at(self, hidden: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [B, n] of the columns [B, n] from a full forward's final-normed hidden states [B, W, d]
+        (`model.hidden_states`): a method that needs many columns' logits takes them in chunks."""
         source = self._logit_source(columns)[..., None].expand(-1, -1, hidden.shape[-1])
         return self._checked(self.model.compute_logits(hidden.gather(1, source)).float())
 
