@@ -105,6 +105,24 @@ def test_bench_step_on_cpu(capsys):
     assert all(r["passes/iter"] == "2.00" for r in rows if r["method"] == "flash-verify")  # draft + verify
 
 
+def test_bench_generate_on_cpu(capsys):
+    """End to end through LLM.generate: with random weights (flat confidences) every method decodes one token
+    per step, so each request takes max_tokens iterations (reference: its steps), and a batch runs together."""
+    assert main(["bench", "generate", "--model", "random:dream-tiny", "--device", "cpu", "--batch-sizes", "1", "3",
+                 "--methods", "reference", "flash-verify", "elastic", "--prompt-length", "12", "--max-tokens", "16",
+                 "--block-length", "8"]) == 0
+    captured = capsys.readouterr()
+    lines = [line.strip("| ").split(" | ") for line in captured.out.splitlines() if line.startswith("| ")]
+    rows = [dict(zip(lines[0], line)) for line in lines[1:]]
+    assert [(r["method"], r["batch"], r["block"]) for r in rows] == [
+        ("reference", "1", "8"), ("reference", "3", "8"), ("flash-verify", "1", "8"), ("flash-verify", "3", "8"),
+        ("elastic", "1", "-"), ("elastic", "3", "-")]
+    for r in rows:
+        assert r["iterations"] == "16" and r["tokens/step"] == "1.00" and int(r["tokens"]) == 16 * int(r["batch"])
+        assert float(r["ms/iter"]) == pytest.approx(float(r["wall s"]) * 1e3 / 16, abs=0.005e3 / 16)  # 2 decimals
+        assert float(r["NFE/request"]) == (32.0 if r["method"] == "flash-verify" else 16.0)  # draft + verify
+
+
 BAD_LINES = [  # a good line, then a bad one: the good prompt finishes, the bad one is reported with file:line
     ("prompts.jsonl", b'{"prompt": "ok"}\n{"prompt": "unclosed\n', "not valid JSON (Unterminated string"),
     ("prompts.jsonl", b'{"prompt": "ok"}\n[1, 2]\n', "expected an object with a prompt, messages or prompt_token_ids"),

@@ -192,9 +192,10 @@ def cmd_bench(args):
 
     from .bench.forward import bench_forward, format_table
     from .bench.kernels import bench_kernels, format_table as format_kernel_table
+    from .bench.generate import bench_generate, format_table as format_generate_table
     from .bench.step import bench_step, format_table as format_step_table
 
-    llm = llm_from_args(args)
+    llm = llm_from_args(args, max_batch_size=max(getattr(args, "batch_sizes", [32])))
     device_name = torch.cuda.get_device_name(llm.device) if llm.device.type == "cuda" else "cpu"
     print(f"# bench {args.bench}: {args.model} on {device_name}, {llm.dtype}")
     if args.bench == "kernels":
@@ -210,9 +211,23 @@ def cmd_bench(args):
                    for rows in (None, args.block_length)]  # the reference code's full LM head, then ours
         print(format_table(results))
         return
+    switches = f"kernels {'on' if llm.runner.kernels else 'off'}, CUDA graphs {'on' if llm.runner.cuda_graphs else 'off'}"
+    if args.bench == "generate":
+        print(f"# prompt {args.prompt_length}, generation {args.max_tokens}, one timed LLM.generate call per row "
+              f"after a warm-up call; {switches}")
+        results = []
+        for method in args.methods:
+            params = SamplingParams(method=method, max_tokens=args.max_tokens,
+                                    block_length=args.block_length or method_of(method).published_block_length)
+            for batch in args.batch_sizes:
+                results.append(bench_generate(llm, params, batch, args.prompt_length))
+                r = results[-1]
+                print(f"{method} batch {batch}: {r.ms_per_iter:.2f} ms/iter over {r.iterations} iterations, "
+                      f"{r.tokens_per_s:.1f} tok/s", file=sys.stderr, flush=True)
+        print(format_generate_table(results))
+        return
     print(f"# prompt {args.prompt_length}, generation {args.max_tokens}, {args.warmup} warm-up + {args.iters} "
-          f"timed iterations; kernels {'on' if llm.runner.kernels else 'off'}, "
-          f"CUDA graphs {'on' if llm.runner.cuda_graphs else 'off'}")
+          f"timed iterations; {switches}")
     results = []
     for method in args.methods:
         params = SamplingParams(method=method, max_tokens=args.max_tokens,
@@ -459,6 +474,15 @@ def build_parser() -> argparse.ArgumentParser:
     step.add_argument("--iters", type=int, default=64,
                       help="timed iterations; a multiple of the block lengths times each cache refresh at its rate")
     step.set_defaults(func=cmd_bench)
+    generate = bench_sub.add_parser("generate", help="end to end through LLM.generate: wall time per iteration, "
+                                                     "tokens/s, NFE and tokens per step per method and batch size")
+    add_model_args(generate)
+    generate.set_defaults(model="random:llada-8b", func=cmd_bench)
+    generate.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
+    generate.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
+    generate.add_argument("--prompt-length", type=int, default=256)
+    generate.add_argument("--max-tokens", type=int, default=512, help="generation length")
+    generate.add_argument("--block-length", type=int, help="every method's block length (default: its published one)")
     bserve = bench_sub.add_parser("serve", help="concurrent clients against a running server; checks every answer")
     bserve.add_argument("--url", default="http://127.0.0.1:8000")
     bserve.add_argument("--clients", type=int, default=64)
