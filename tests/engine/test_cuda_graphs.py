@@ -8,11 +8,13 @@ import torch
 from flash_dllm import LLM, SamplingParams
 from flash_dllm.cache import KVCache
 from flash_dllm.cache.attention_metadata import AttentionMetadata, cu_seqlens
-from flash_dllm.engine.cuda_graphs import CAPTURE_AFTER, MAX_GRAPH_ROWS, CudaGraphs, bucket, pad_verify_pass, signature
+from flash_dllm.engine.cuda_graphs import (CAPTURE_AFTER, MAX_GRAPH_ROWS, CudaGraphs, GraphedCalls, bucket,
+                                          pad_verify_pass, signature)
 
 METHODS = [dict(method="prefix-cache"), dict(method="dual-cache"),
            dict(method="flash-cache", tracking_budget=4, mask_window=8),
-           dict(method="flash-verify", tracking_budget=4, mask_window=8)]
+           dict(method="flash-verify", tracking_budget=4, mask_window=8),
+           dict(method="elastic", mask_window=8, drift_threshold=0.95)]
 PROMPTS = [[5, 9, 13, 7], [11, 4, 6, 8, 12, 3, 10], [3, 3, 4]]
 
 
@@ -68,9 +70,9 @@ class FakeCapture:
     def __init__(self, *args):
         self.replays = 0
 
-    def replay(self, input_ids, positions, table, key_mass):
+    def replay(self, tensors):
         self.replays += 1
-        return input_ids
+        return tensors[0], None
 
 
 def make_pass(rows: int, max_kv: int = 20, write_cache: bool = True):
@@ -85,40 +87,40 @@ def make_pass(rows: int, max_kv: int = 20, write_cache: bool = True):
 def test_capture_policy(monkeypatch):
     """Eager for the first CAPTURE_AFTER sightings of a shape, then captured once and replayed; the least
     recently used graph goes first; passes over MAX_GRAPH_ROWS rows are never captured."""
-    monkeypatch.setattr(CudaGraphs, "_capture", lambda self, *args: FakeCapture())
+    monkeypatch.setattr(GraphedCalls, "_capture", lambda self, *args: FakeCapture())
     model = CountingForward()
     graphed = CudaGraphs(model, max_graphs=2)
     ids, positions, table = make_pass(8)
     for _ in range(CAPTURE_AFTER + 3):
-        graphed.run(ids, positions, table)
+        graphed.run_pass(ids, positions, table)
     assert (model.eager, graphed.captures, graphed.replays) == (CAPTURE_AFTER, 1, 3)
 
     for rows in (9, 10):  # two more shapes: the first one's graph is evicted
         for _ in range(CAPTURE_AFTER + 1):
-            graphed.run(*make_pass(rows))
-    assert graphed.captures == 3 and len(graphed.passes) == 2
+            graphed.run_pass(*make_pass(rows))
+    assert graphed.captures == 3 and len(graphed.graphs) == 2
     eager = model.eager
-    graphed.run(ids, positions, table)
+    graphed.run_pass(ids, positions, table)
     assert model.eager == eager + 1  # counted afresh
 
     big = make_pass(MAX_GRAPH_ROWS + 1)
     for _ in range(CAPTURE_AFTER + 2):
-        graphed.run(*big)
+        graphed.run_pass(*big)
     assert graphed.captures == 3
 
 
 def test_verify_passes_of_one_bucket_share_a_graph(monkeypatch):
     """Passes that do not write the cache are replayed padded to a bucket of rows: row counts that vary
     within one bucket share one graph, and the output keeps only the pass's own rows."""
-    monkeypatch.setattr(CudaGraphs, "_capture", lambda self, *args: FakeCapture())
+    monkeypatch.setattr(GraphedCalls, "_capture", lambda self, *args: FakeCapture())
     model = CountingForward()
     graphed = CudaGraphs(model)
     assert bucket(97) == bucket(100) == 112 and bucket(16) == 16 and bucket(1000) == 1024
     for rows in (97, 100, 103, 110, 99, 112):
-        out = graphed.run(*make_pass(rows, write_cache=False))
+        out = graphed.run_pass(*make_pass(rows, write_cache=False))
         assert torch.equal(out, torch.arange(rows) + 1)
     assert (model.eager, graphed.captures, graphed.replays) == (CAPTURE_AFTER, 1, 3)
-    graphed.run(*make_pass(113, write_cache=False))  # the next bucket
+    graphed.run_pass(*make_pass(113, write_cache=False))  # the next bucket
     assert model.eager == CAPTURE_AFTER + 1
 
 

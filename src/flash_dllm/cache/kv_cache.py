@@ -18,9 +18,9 @@ class KVCache:
     request owns and no pass reads: a query row whose K/V must not reach the cache writes there (the left
     neighbour of a cached pass's block on a shifted architecture, see ModelRunner.prepare).
 
-    `hidden_states()`: per layer [num_rows, hidden_size], the layer's input hidden state of each row
-    (Elastic-Cache recomputes deep layers over a whole sequence from them), allocated at first use:
-    hidden_size values per token and layer, half the K/V bytes with MHA.
+    `hidden_states()`: per layer [num_rows + 1, hidden_size], the layer's input hidden state of each row, and
+    the scratch row (Elastic-Cache recomputes deep layers over a whole sequence from them), allocated at first
+    use: hidden_size values per token and layer, half the K/V bytes with MHA.
     """
 
     def __init__(self, cfg: ModelConfig, num_rows: int, dtype: torch.dtype, device: torch.device | str):
@@ -30,7 +30,7 @@ class KVCache:
         self.num_rows, self.scratch_row = num_rows, num_rows
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
-        self._hidden_shape = (num_rows, cfg.hidden_size)
+        self._hidden_shape = (num_rows + 1, cfg.hidden_size)
         self._hidden: list[torch.Tensor] | None = None
 
     def hidden_states(self) -> list[torch.Tensor]:

@@ -43,6 +43,8 @@ Deliberate differences from the published code:
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 from bisect import bisect_right
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -149,31 +151,55 @@ def _leading_groups(p: CachedPass, groups: int) -> tuple[AttentionMetadata, int]
 
 def _reuse_pass(runner: ModelRunner, batch: DecodeBatch, reuse: CachedPass, tracked: torch.Tensor, drift: bool):
     """Every layer over the query rows. Returns their final hidden states [N, d], the window's attention mass
-    per layer [L, B, W] (by position) and, with `drift`, the tracked rows' similarity per layer [L, B]."""
-    model, cache = runner.model, runner.cache
-    layers, hidden, cfg = model.layers, cache.hidden_states(), model.config
-    tokens, lengths, base = batch.tokens, batch.lengths, batch.cache_base
-    (B, width), device = tokens.shape, tokens.device
-    key_mass = torch.zeros(len(layers), B, width, device=device)
-    similarity = torch.ones(len(layers), B, device=device)
+    per layer [L, B, W] (by position) and, with `drift`, the tracked rows' similarity per layer [L, B].
+    With CUDA graphs, the layers and the drift test replay as one graph, its rows padded to a bucket."""
+    cfg, width, device = runner.model.config, batch.tokens.shape[1], batch.tokens.device
+    drift_inputs = ()
     if drift:  # the tracked rows [B, T] and every row's keys [B, W]
-        track_num = batch.params.settings.track_num
-        t_column, t_valid = leading_columns(tracked, min(len(layers) * track_num, width))
+        lengths, base = batch.lengths, batch.cache_base
+        t_column, t_valid = leading_columns(tracked, min(cfg.num_layers * batch.params.settings.track_num, width))
         t_position = (t_column - (width - lengths)[:, None]).clamp(min=0)
         t_slot, t_flat = base[:, None] + t_position, reuse.flat_of_column.gather(1, t_column).clamp(min=0)
         t_cos, t_sin = rotary_cos_sin(t_position, cfg.head_dim, cfg.rope_theta)
-        offsets = torch.arange(width, device=device)
-        key_valid = offsets < lengths[:, None]
-        key_slot = base[:, None] + torch.where(key_valid, offsets, 0)
-    rope = Rotary.at(reuse.positions, cfg)
-    x = model.embed(reuse.input_ids)
+        key_valid = torch.arange(width, device=device) < lengths[:, None]
+        key_slot = base[:, None] + torch.where(key_valid, torch.arange(width, device=device), 0)
+        drift_inputs = (t_slot, t_flat, t_cos, t_sin, t_valid, key_slot, key_valid)
+    rows, padded, m = reuse.input_ids.shape[0], runner.graph_rows(reuse.input_ids.shape[0]), reuse.metadata
+    if padded is None:
+        return _reuse_layers(runner.model, runner.cache, runner.kernels, m, width, reuse.input_ids, reuse.positions,
+                             m.cu_seqlens_q, m.kv_start, m.kv_len, m.slot_mapping, m.track_rows, *drift_inputs)
+    # Padding rows belong to no request (after cu_seqlens_q[-1]) and write to the cache's scratch row.
+    extra, scratch = padded - rows, runner.cache.scratch_row
+    m = dataclasses.replace(m, max_q=runner.graph_rows(m.max_q))
+    layers = functools.partial(_reuse_layers, runner.model, runner.cache, runner.kernels, m, width)
+    tensors = (F.pad(reuse.input_ids, (0, extra)), F.pad(reuse.positions, (0, extra)), m.cu_seqlens_q, m.kv_start,
+               m.kv_len, F.pad(m.slot_mapping, (0, extra), value=scratch), F.pad(m.track_rows, (0, extra)),
+               *drift_inputs)
+    key = ("elastic reuse", m.max_q, m.max_kv, width, *((tuple(t.shape), t.dtype) for t in tensors))
+    x, key_mass, similarity = runner.graphs.run(key, layers, tensors)
+    return x[:rows], key_mass, similarity
+
+
+def _reuse_layers(model, cache, kernels: bool, metadata: AttentionMetadata, width: int, input_ids, positions,
+                  cu_seqlens_q, kv_start, kv_len, slot_mapping, track_rows, t_slot=None, t_flat=None, t_cos=None,
+                  t_sin=None, t_valid=None, key_slot=None, key_valid=None):
+    """The reuse pass's layers on tensors only (a CUDA graph replays it): the metadata's host values come from
+    `metadata`, its tensors are the arguments; the drift test runs where t_slot is given."""
+    layers, hidden = model.layers, cache.hidden_states()
+    metadata = dataclasses.replace(metadata, cu_seqlens_q=cu_seqlens_q, kv_start=kv_start, kv_len=kv_len,
+                                   slot_mapping=slot_mapping, track_rows=track_rows)
+    B, drift = kv_start.shape[0], t_slot is not None
+    key_mass = torch.zeros(len(layers), B, width, device=input_ids.device)
+    similarity = torch.ones(len(layers), B, device=input_ids.device)
+    rope = Rotary.at(positions, model.config)
+    x = model.embed(input_ids)
     for index, layer in enumerate(layers):
         if drift:  # before: the cached inputs' queries against the keys as cached
             before = attention_rows(layer.queries(hidden[index][t_slot], t_cos, t_sin), cache.k[index][key_slot],
                                     key_valid)
             q_after = layer.queries(x[t_flat], t_cos, t_sin)
-        hidden[index][reuse.metadata.slot_mapping] = x
-        x = layer.forward_cached(x, rope, reuse.metadata, cache, key_mass[index], runner.kernels)
+        hidden[index][slot_mapping] = x
+        x = layer.forward_cached(x, rope, metadata, cache, key_mass[index], kernels)
         if drift:
             after = attention_rows(q_after, cache.k[index][key_slot], key_valid)
             similarity[index] = drift_similarity(before, after, t_valid)

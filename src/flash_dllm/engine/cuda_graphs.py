@@ -1,4 +1,4 @@
-"""CUDA graphs for the cached forward pass.
+"""CUDA graphs for the cached passes.
 
 A cached pass launches about fifteen kernels per layer; at small batches the GPU runs each faster than
 Python launches the next, so a step costs its launch time, not its GPU time. A pass whose shapes repeat
@@ -8,7 +8,9 @@ launch, and the output is copied out. A capture costs about two passes, so a sha
 it has been seen CAPTURE_AFTER times: one-off shapes (a request's first full pass) stay eager. A pass that
 does not write the cache (Flash-Verify's verify pass, whose row count changes every iteration) is replayed
 padded to a bucket of rows, so that its shapes repeat. Only the kernel path can be captured: the PyTorch
-references index with boolean masks, which synchronise with the host.
+references index with boolean masks, which synchronise with the host. `GraphedCalls` is the policy for any
+call of tensors (Elastic-Cache's reuse pass, with its drift test, is one); `CudaGraphs` applies it to the
+runner's cached forward.
 """
 from __future__ import annotations
 
@@ -59,82 +61,97 @@ def signature(input_ids: torch.Tensor, metadata: AttentionMetadata, key_mass: to
             None if key_mass is None else tuple(key_mass.shape))
 
 
-class _CapturedPass:
-    """One captured pass: the static tensors it reads and writes, and its graph."""
+class _CapturedCall:
+    """One captured call: the static tensors it reads (its inputs, copied in before each replay), its outputs
+    and its graph."""
 
-    def __init__(self, forward, input_ids, positions, metadata: AttentionMetadata, key_mass, pool, stream):
-        self.input_ids, self.positions = input_ids.clone(), positions.clone()
-        self.metadata = dataclasses.replace(metadata, **{name: t.clone()
-                                                         for name, t in _metadata_tensors(metadata).items()})
-        self.key_mass = None if key_mass is None else key_mass.clone()
-        run = lambda: forward(self.input_ids, self.positions, self.metadata, self.key_mass)
-        # Warm up before capturing (cuBLAS workspaces, lazily built tensors). It writes the same cache rows
-        # with the same values as the pass itself will, and key_mass is reloaded before every replay.
+    def __init__(self, fn, tensors: tuple[torch.Tensor, ...], pool, stream):
+        self.inputs = tuple(t.clone() for t in tensors)
+        # Warm up before capturing (cuBLAS workspaces, lazily built tensors). A call that writes the cache writes
+        # the same rows with the same values as the call itself will.
         # (torch.cuda.graph() would also run gc.collect() and empty the allocator's cache at every capture.)
         stream.wait_stream(torch.cuda.current_stream())
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(stream):
-            run()
+            fn(*self.inputs)
             self.graph.capture_begin(pool=pool)
             try:
-                self.output = run()
+                self.outputs = fn(*self.inputs)
             finally:
                 self.graph.capture_end()
         torch.cuda.current_stream().wait_stream(stream)
 
-    def replay(self, input_ids, positions, metadata: AttentionMetadata, key_mass) -> torch.Tensor:
-        self.input_ids.copy_(input_ids)
-        self.positions.copy_(positions)
-        static = _metadata_tensors(self.metadata)
-        for name, t in _metadata_tensors(metadata).items():
-            static[name].copy_(t)
-        if key_mass is not None:
-            self.key_mass.copy_(key_mass)
+    def replay(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        for static, t in zip(self.inputs, tensors):
+            static.copy_(t)
         self.graph.replay()
-        if key_mass is not None:
-            key_mass.copy_(self.key_mass)
-        return self.output.clone()  # the next replay overwrites the static output
+        return tuple(t.clone() for t in self.outputs)  # the next replay overwrites the static outputs
 
 
-class CudaGraphs:
-    """A cached forward pass `forward(input_ids, positions, metadata, key_mass) -> hidden`, bound to one KV
-    cache, replayed from CUDA graphs for shapes that repeat (at most `max_graphs`, least recently used
-    dropped first)."""
+class GraphedCalls:
+    """Calls `fn(*tensors) -> tuple of tensors` replayed from CUDA graphs, one per key (the caller's: every
+    shape and host value the call depends on). A key is captured once it has been seen CAPTURE_AFTER times (a
+    capture costs about two calls, so one-off shapes stay eager); at most `max_graphs` are kept, the least
+    recently used dropped first. All graphs share one memory pool: they never run at the same time."""
 
-    def __init__(self, forward, max_graphs: int = 16):
-        self.forward, self.max_graphs = forward, max_graphs
-        self.passes: OrderedDict[tuple, _CapturedPass] = OrderedDict()
-        self.sightings: dict[tuple, int] = {}  # eager runs of each shape not captured
-        self.pool = None    # one memory pool for all graphs: they never run at the same time
+    def __init__(self, max_graphs: int = 16):
+        self.max_graphs = max_graphs
+        self.graphs: OrderedDict[tuple, _CapturedCall] = OrderedDict()
+        self.sightings: dict[tuple, int] = {}  # eager runs of each key not captured
+        self.pool = None
         self.stream = None  # captures run off the default stream, on this one (made at the first)
         self.captures = self.replays = 0
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
-            key_mass: torch.Tensor | None = None) -> torch.Tensor:
-        rows = input_ids.shape[0]
-        graph_inputs = ((input_ids, positions, metadata) if metadata.write_cache
-                        else pad_verify_pass(input_ids, positions, metadata))
-        if graph_inputs[0].shape[0] > MAX_GRAPH_ROWS:
-            return self.forward(input_ids, positions, metadata, key_mass)
-        key = signature(graph_inputs[0], graph_inputs[2], key_mass)
-        captured = self.passes.get(key)
+    def run(self, key: tuple, fn, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        captured = self.graphs.get(key)
         if captured is None:
             if self.sightings.get(key, 0) < CAPTURE_AFTER:
                 if len(self.sightings) > 1024:  # many one-off shapes: forget them
                     self.sightings.clear()
                 self.sightings[key] = self.sightings.get(key, 0) + 1
-                return self.forward(input_ids, positions, metadata, key_mass)
+                return fn(*tensors)
             del self.sightings[key]
-            captured = self.passes[key] = self._capture(*graph_inputs, key_mass)
+            captured = self.graphs[key] = self._capture(fn, tensors)
             self.captures += 1
-            if len(self.passes) > self.max_graphs:
-                self.passes.popitem(last=False)
-        self.passes.move_to_end(key)
+            if len(self.graphs) > self.max_graphs:
+                self.graphs.popitem(last=False)
+        self.graphs.move_to_end(key)
         self.replays += 1
-        return captured.replay(*graph_inputs, key_mass)[:rows]
+        return captured.replay(tensors)
 
-    def _capture(self, input_ids, positions, metadata: AttentionMetadata, key_mass) -> _CapturedPass:
-        self.stream = self.stream or torch.cuda.Stream(input_ids.device)
-        captured = _CapturedPass(self.forward, input_ids, positions, metadata, key_mass, self.pool, self.stream)
+    def _capture(self, fn, tensors) -> _CapturedCall:
+        self.stream = self.stream or torch.cuda.Stream(tensors[0].device)
+        captured = _CapturedCall(fn, tensors, self.pool, self.stream)
         self.pool = captured.graph.pool()
         return captured
+
+
+class CudaGraphs(GraphedCalls):
+    """A cached forward pass `forward(input_ids, positions, metadata, key_mass) -> hidden`, bound to one KV
+    cache, replayed from CUDA graphs for shapes that repeat; other calls (Elastic-Cache's reuse pass) share its
+    graphs' pool and budget through `GraphedCalls.run`."""
+
+    def __init__(self, forward, max_graphs: int = 16):
+        super().__init__(max_graphs)
+        self.forward = forward
+
+    def run_pass(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+                 key_mass: torch.Tensor | None = None) -> torch.Tensor:
+        rows = input_ids.shape[0]
+        input_ids, positions, metadata = ((input_ids, positions, metadata) if metadata.write_cache
+                                          else pad_verify_pass(input_ids, positions, metadata))
+        if input_ids.shape[0] > MAX_GRAPH_ROWS:
+            return self.forward(input_ids, positions, metadata, key_mass)[:rows]
+        names = list(_metadata_tensors(metadata))
+
+        def forward(input_ids, positions, *rest):
+            table = dataclasses.replace(metadata, **dict(zip(names, rest)))
+            mass = rest[len(names)] if key_mass is not None else None
+            return self.forward(input_ids, positions, table, mass), mass
+
+        tensors = (input_ids, positions, *_metadata_tensors(metadata).values(),
+                   *(() if key_mass is None else (key_mass,)))
+        hidden, mass = self.run(signature(input_ids, metadata, key_mass), forward, tensors)
+        if key_mass is not None and mass is not key_mass:  # replayed: the static buffer's sums come back
+            key_mass.copy_(mass)
+        return hidden[:rows]
