@@ -72,7 +72,7 @@ class FakeCapture:
 
     def replay(self, tensors):
         self.replays += 1
-        return (tensors[0],)
+        return tensors[0], None
 
 
 def make_pass(rows: int, max_kv: int = 20, write_cache: bool = True):

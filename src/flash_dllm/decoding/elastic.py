@@ -53,7 +53,6 @@ import torch
 import torch.nn.functional as F
 
 from ..cache.attention_metadata import AttentionMetadata, device_tensor
-from ..kernels.drift_attention import drift_attention, drift_attention_ref
 from ..models.layers import Rotary, rotary_cos_sin
 from .base import DecodingMethod, check, knob
 from .parallel import ThresholdSettings
@@ -103,6 +102,13 @@ def leading_columns(mask: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
     columns, and which are set [B, k]."""
     columns = torch.argsort(~mask, dim=1, stable=True)[:, :k]
     return columns, mask.gather(1, columns)
+
+
+def attention_rows(q: torch.Tensor, keys: torch.Tensor, key_valid: torch.Tensor) -> torch.Tensor:
+    """q [B, T, H, D], keys [B, K, Hkv, D], key_valid [B, K] -> softmax attention [B, H, T, K] in fp32."""
+    keys = keys.repeat_interleave(q.shape[2] // keys.shape[2], dim=2)  # GQA: kv head j serves heads j*g..
+    scores = torch.einsum("bthd,bkhd->bhtk", q.float(), keys.float()) * q.shape[-1] ** -0.5
+    return scores.masked_fill(~key_valid[:, None, None, :], float("-inf")).softmax(dim=-1)
 
 
 def drift_similarity(before: torch.Tensor, after: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -183,20 +189,19 @@ def _reuse_layers(model, cache, kernels: bool, metadata: AttentionMetadata, widt
     metadata = dataclasses.replace(metadata, cu_seqlens_q=cu_seqlens_q, kv_start=kv_start, kv_len=kv_len,
                                    slot_mapping=slot_mapping, track_rows=track_rows)
     B, drift = kv_start.shape[0], t_slot is not None
-    attention = drift_attention if kernels else drift_attention_ref
     key_mass = torch.zeros(len(layers), B, width, device=input_ids.device)
     similarity = torch.ones(len(layers), B, device=input_ids.device)
     rope = Rotary.at(positions, model.config)
     x = model.embed(input_ids)
     for index, layer in enumerate(layers):
         if drift:  # before: the cached inputs' queries against the keys as cached
-            before = attention(layer.queries(hidden[index][t_slot], t_cos, t_sin), cache.k[index], key_slot,
-                               key_valid)
+            before = attention_rows(layer.queries(hidden[index][t_slot], t_cos, t_sin), cache.k[index][key_slot],
+                                    key_valid)
             q_after = layer.queries(x[t_flat], t_cos, t_sin)
         hidden[index][slot_mapping] = x
         x = layer.forward_cached(x, rope, metadata, cache, key_mass[index], kernels)
         if drift:
-            after = attention(q_after, cache.k[index], key_slot, key_valid)
+            after = attention_rows(q_after, cache.k[index][key_slot], key_valid)
             similarity[index] = drift_similarity(before, after, t_valid)
     return x, key_mass, similarity
 

@@ -144,14 +144,14 @@ class CudaGraphs(GraphedCalls):
             return self.forward(input_ids, positions, metadata, key_mass)[:rows]
         names = list(_metadata_tensors(metadata))
 
-        def forward(input_ids, positions, *rest):  # -> (hidden,) or (hidden, key_mass)
+        def forward(input_ids, positions, *rest):
             table = dataclasses.replace(metadata, **dict(zip(names, rest)))
-            mass = rest[len(names):]
-            return self.forward(input_ids, positions, table, *mass), *mass
+            mass = rest[len(names)] if key_mass is not None else None
+            return self.forward(input_ids, positions, table, mass), mass
 
         tensors = (input_ids, positions, *_metadata_tensors(metadata).values(),
                    *(() if key_mass is None else (key_mass,)))
-        hidden, *mass = self.run(signature(input_ids, metadata, key_mass), forward, tensors)
-        if mass and mass[0] is not key_mass:  # replayed: the static buffer's sums come back
-            key_mass.copy_(mass[0])
+        hidden, mass = self.run(signature(input_ids, metadata, key_mass), forward, tensors)
+        if key_mass is not None and mass is not key_mass:  # replayed: the static buffer's sums come back
+            key_mass.copy_(mass)
         return hidden[:rows]
