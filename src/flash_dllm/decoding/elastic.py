@@ -152,7 +152,7 @@ def _leading_groups(p: CachedPass, groups: int) -> tuple[AttentionMetadata, int]
 def _reuse_pass(runner: ModelRunner, batch: DecodeBatch, reuse: CachedPass, tracked: torch.Tensor, drift: bool):
     """Every layer over the query rows. Returns their final hidden states [N, d], the window's attention mass
     per layer [L, B, W] (by position) and, with `drift`, the tracked rows' similarity per layer [L, B].
-    With CUDA graphs, the layers and the drift test replay as one graph, its rows padded to a bucket."""
+    With CUDA graphs, the layers and the drift test replay as one graph."""
     cfg, width, device = runner.model.config, batch.tokens.shape[1], batch.tokens.device
     drift_inputs = ()
     if drift:  # the tracked rows [B, T] and every row's keys [B, W]
@@ -164,20 +164,16 @@ def _reuse_pass(runner: ModelRunner, batch: DecodeBatch, reuse: CachedPass, trac
         key_valid = torch.arange(width, device=device) < lengths[:, None]
         key_slot = base[:, None] + torch.where(key_valid, torch.arange(width, device=device), 0)
         drift_inputs = (t_slot, t_flat, t_cos, t_sin, t_valid, key_slot, key_valid)
-    rows, padded, m = reuse.input_ids.shape[0], runner.graph_rows(reuse.input_ids.shape[0]), reuse.metadata
-    if padded is None:
-        return _reuse_layers(runner.model, runner.cache, runner.kernels, m, width, reuse.input_ids, reuse.positions,
-                             m.cu_seqlens_q, m.kv_start, m.kv_len, m.slot_mapping, m.track_rows, *drift_inputs)
-    # Padding rows belong to no request (after cu_seqlens_q[-1]) and write to the cache's scratch row.
-    extra, scratch = padded - rows, runner.cache.scratch_row
-    m = dataclasses.replace(m, max_q=runner.graph_rows(m.max_q))
-    layers = functools.partial(_reuse_layers, runner.model, runner.cache, runner.kernels, m, width)
-    tensors = (F.pad(reuse.input_ids, (0, extra)), F.pad(reuse.positions, (0, extra)), m.cu_seqlens_q, m.kv_start,
-               m.kv_len, F.pad(m.slot_mapping, (0, extra), value=scratch), F.pad(m.track_rows, (0, extra)),
+    m = reuse.metadata
+    tensors = (reuse.input_ids, reuse.positions, m.cu_seqlens_q, m.kv_start, m.kv_len, m.slot_mapping, m.track_rows,
                *drift_inputs)
+    layers = functools.partial(_reuse_layers, runner.model, runner.cache, runner.kernels, m, width)
+    if runner.graph_rows(reuse.input_ids.shape[0]) is None:
+        return layers(*tensors)
+    # Captured at its exact row count: padding rows would change the GEMMs' shapes, and cuBLAS's rounding with
+    # them (2 of 100 embedded trace items decoded differently in fp32 on the H200).
     key = ("elastic reuse", m.max_q, m.max_kv, width, *((tuple(t.shape), t.dtype) for t in tensors))
-    x, key_mass, similarity = runner.graphs.run(key, layers, tensors)
-    return x[:rows], key_mass, similarity
+    return runner.graphs.run(key, layers, tensors)
 
 
 def _reuse_layers(model, cache, kernels: bool, metadata: AttentionMetadata, width: int, input_ids, positions,
