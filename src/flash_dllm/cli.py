@@ -23,6 +23,8 @@ def add_model_args(parser: argparse.ArgumentParser):
                         help="replay repeating cached passes from CUDA graphs (default: on with the kernels on CUDA)")
     parser.add_argument("--kv-cache-bytes", type=int, default=None,
                         help="KV cache budget of the cached methods (default: 40%% of free GPU memory, 1 GiB on CPU)")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="the same tokens alone or in any batch, in any dtype (CPU only so far)")
 
 
 def llm_from_args(args, default_device: str | None = None, **options):
@@ -31,7 +33,8 @@ def llm_from_args(args, default_device: str | None = None, **options):
 
     on_off = lambda value: None if value is None else value == "on"
     return LLM(args.model, device=args.device or default_device, dtype=args.dtype, kernels=on_off(args.kernels),
-               cuda_graphs=on_off(args.cuda_graphs), kv_cache_bytes=args.kv_cache_bytes, **options)
+               cuda_graphs=on_off(args.cuda_graphs), kv_cache_bytes=args.kv_cache_bytes,
+               batch_invariant=args.batch_invariant, **options)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser):

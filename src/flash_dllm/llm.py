@@ -85,12 +85,14 @@ class LLM:
         scheduled flash attention); default: on CUDA. False uses their PyTorch references (same tokens).
     cuda_graphs: replay the cached passes whose shapes repeat from CUDA graphs; default: with the kernels on
         CUDA (the references cannot be captured).
+    batch_invariant: a request decodes to the same tokens alone or in any batch, in any dtype (every reduction's
+        order independent of the batch). CPU only so far (issue 16).
     """
 
     def __init__(self, model: str | Path | None = None, device: str | None = None,
                  dtype: str | torch.dtype | None = None, max_batch_size: int = 32,
                  chat_template: bool | None = None, seed: int = 0, kv_cache_bytes: int | None = None,
-                 kernels: bool | None = None, cuda_graphs: bool | None = None):
+                 kernels: bool | None = None, cuda_graphs: bool | None = None, batch_invariant: bool = False):
         try:
             self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         except RuntimeError:
@@ -106,7 +108,8 @@ class LLM:
             self.path = Path(spec)
             self.model = load_model(self.path, self.device, self.dtype)
         self.config = self.model.config
-        self.runner = ModelRunner(self.model, kernels=kernels, cuda_graphs=cuda_graphs, kv_cache_bytes=kv_cache_bytes)
+        self.runner = ModelRunner(self.model, kernels=kernels, cuda_graphs=cuda_graphs, kv_cache_bytes=kv_cache_bytes,
+                                  batch_invariant=batch_invariant)
         self.tokenizer = load_tokenizer(self.path, self.model.vocab_merges_tokenizer)
         self.special = special_tokens(self.config, self.path, self.tokenizer)
         has_template = self.tokenizer is not None and bool(getattr(self.tokenizer, "chat_template", None))

@@ -83,7 +83,7 @@ def bench_step(llm, params: SamplingParams, batch: int, prompt_length: int, warm
     method = method_of(params.method)
     cache_bytes = batch * length * KVCache.bytes_per_row(cfg, llm.dtype, with_hidden=method.caches_hidden_states)
     runner = ModelRunner(llm.model, kernels=llm.runner.kernels, cuda_graphs=llm.runner.cuda_graphs,
-                         kv_cache_bytes=cache_bytes)
+                         kv_cache_bytes=cache_bytes, batch_invariant=llm.runner.batch_invariant)
     engine = LLMEngine(runner, dataclasses.replace(llm.special, stop_ids=()), batch)
     for p in prompts:
         engine.add_request(p.tolist(), params)

@@ -55,6 +55,8 @@ class AttentionMetadata:
     to the cache range minus `hidden_keys` [B, max_kv] (positions the pass recomputes) and to the pass's
     own rows as `self_visibility` [B, max_q, max_q] allows (query row i sees pass row j), both in each
     request's padded row order.
+
+    ordered: every sum over keys in one fixed order (batch-invariant decoding, the PyTorch reference only).
     """
 
     cu_seqlens_q: torch.Tensor  # [B + 1]
@@ -67,6 +69,7 @@ class AttentionMetadata:
     write_cache: bool = True
     hidden_keys: torch.Tensor | None = None
     self_visibility: torch.Tensor | None = None
+    ordered: bool = False
 
     @property
     def num_seqs(self) -> int:
@@ -76,7 +79,7 @@ class AttentionMetadata:
     def build(cls, rows: FlatRows, kv_start: torch.Tensor, kv_len: torch.Tensor, positions: torch.Tensor,
               max_kv: int, **options) -> AttentionMetadata:
         """Request b's rows attend to its kv_len[b] cache rows from kv_start[b]; each row's K/V slot is
-        kv_start + its position [N]. `options`: track_rows, write_cache, hidden_keys, self_visibility."""
+        kv_start + its position [N]. `options`: track_rows, write_cache, hidden_keys, self_visibility, ordered."""
         return cls(cu_seqlens_q=rows.cu_seqlens, kv_start=kv_start, kv_len=kv_len,
                    slot_mapping=kv_start[rows.request] + positions, max_q=max(rows.counts), max_kv=max_kv,
                    **options)

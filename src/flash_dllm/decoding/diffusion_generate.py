@@ -133,7 +133,7 @@ class Dream(DecodingMethod):
         B, generated_length = batch.tokens.shape[0], batch.params.max_tokens
         offsets = torch.arange(generated_length, device=batch.tokens.device).expand(B, -1)
         batch.count_query_rows([row.length for row in batch.rows])
-        hidden = runner.model.hidden_states(batch.tokens, batch.positions, batch.attention_mask)
+        hidden = runner.full_hidden(batch.tokens, batch.positions, batch.attention_mask)
         # Every generated position's logits at once, in float64, would take B x G x V x 8 bytes several times
         # over (tens of GB at Dream's vocabulary): chunks of columns bound the working memory.
         chunk = max(1, CHUNK_BYTES // (B * runner.model.config.vocab_size * 8))

@@ -53,6 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache.attention_metadata import AttentionMetadata, device_tensor
+from ..kernels.attention import ordered_attention, ordered_sum
 from ..models.layers import Rotary, rotary_cos_sin
 from .base import DecodingMethod, check, knob
 from .parallel import ThresholdSettings
@@ -104,19 +105,32 @@ def leading_columns(mask: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
     return columns, mask.gather(1, columns)
 
 
-def attention_rows(q: torch.Tensor, keys: torch.Tensor, key_valid: torch.Tensor) -> torch.Tensor:
-    """q [B, T, H, D], keys [B, K, Hkv, D], key_valid [B, K] -> softmax attention [B, H, T, K] in fp32."""
+def attention_rows(q: torch.Tensor, keys: torch.Tensor, key_valid: torch.Tensor, ordered: bool = False) -> torch.Tensor:
+    """q [B, T, H, D], keys [B, K, Hkv, D], key_valid [B, K] -> softmax attention [B, H, T, K] in fp32.
+    ordered: its sums over keys in one fixed order (batch-invariant decoding)."""
     keys = keys.repeat_interleave(q.shape[2] // keys.shape[2], dim=2)  # GQA: kv head j serves heads j*g..
+    if ordered:
+        keys = keys.transpose(1, 2)
+        return ordered_attention(q.transpose(1, 2), keys, torch.zeros_like(keys[..., :1]),
+                                 key_valid[:, None, None, :])[1]
     scores = torch.einsum("bthd,bkhd->bhtk", q.float(), keys.float()) * q.shape[-1] ** -0.5
     return scores.masked_fill(~key_valid[:, None, None, :], float("-inf")).softmax(dim=-1)
 
 
-def drift_similarity(before: torch.Tensor, after: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def drift_similarity(before: torch.Tensor, after: torch.Tensor, valid: torch.Tensor,
+                     ordered: bool = False) -> torch.Tensor:
     """before, after [B, H, T, K]: the tracked rows' attention; valid [B, T] -> [B]: their cosine over the
-    key axis, averaged over heads and valid tracked rows (1, no drift, where a row tracks nothing)."""
-    cosine = F.cosine_similarity(before, after, dim=-1).mean(dim=1)                  # [B, T]
+    key axis, averaged over heads and valid tracked rows (1, no drift, where a row tracks nothing). ordered: its
+    sums over keys and tracked rows in one fixed order (batch-invariant decoding)."""
+    if ordered:
+        dot, before_sq, after_sq = (ordered_sum(x, dim=-1) for x in (before * after, before ** 2, after ** 2))
+        cosine = (dot / (before_sq.sqrt() * after_sq.sqrt()).clamp(min=1e-8)).mean(dim=1)  # [B, T]
+        total = ordered_sum(torch.where(valid, cosine, 0.0), dim=1)
+    else:
+        cosine = F.cosine_similarity(before, after, dim=-1).mean(dim=1)              # [B, T]
+        total = torch.where(valid, cosine, 0.0).sum(dim=1)
     count = valid.sum(dim=1)
-    return torch.where(count > 0, torch.where(valid, cosine, 0.0).sum(dim=1) / count.clamp(min=1), 1.0)
+    return torch.where(count > 0, total / count.clamp(min=1), 1.0)
 
 
 def select_tracked(key_mass: torch.Tensor, decoded: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
@@ -145,7 +159,7 @@ def _leading_groups(p: CachedPass, groups: int) -> tuple[AttentionMetadata, int]
     n, longest = sum(counts[:groups]), max(counts[:groups])
     metadata = AttentionMetadata(cu_seqlens_q=m.cu_seqlens_q[:groups + 1], kv_start=m.kv_start[:groups],
                                  kv_len=m.kv_len[:groups], slot_mapping=m.slot_mapping[:n], max_q=longest,
-                                 max_kv=longest, track_rows=m.track_rows[:n])
+                                 max_kv=longest, track_rows=m.track_rows[:n], ordered=m.ordered)
     return metadata, n
 
 
@@ -192,13 +206,13 @@ def _reuse_layers(model, cache, kernels: bool, metadata: AttentionMetadata, widt
     for index, layer in enumerate(layers):
         if drift:  # before: the cached inputs' queries against the keys as cached
             before = attention_rows(layer.queries(hidden[index][t_slot], t_cos, t_sin), cache.k[index][key_slot],
-                                    key_valid)
+                                    key_valid, metadata.ordered)
             q_after = layer.queries(x[t_flat], t_cos, t_sin)
         hidden[index][slot_mapping] = x
         x = layer.forward_cached(x, rope, metadata, cache, key_mass[index], kernels)
         if drift:
-            after = attention_rows(q_after, cache.k[index][key_slot], key_valid)
-            similarity[index] = drift_similarity(before, after, t_valid)
+            after = attention_rows(q_after, cache.k[index][key_slot], key_valid, metadata.ordered)
+            similarity[index] = drift_similarity(before, after, t_valid, metadata.ordered)
     return x, key_mass, similarity
 
 

@@ -50,13 +50,18 @@ class ModelRunner:
     on the CPU); False uses their PyTorch references (same tokens). cuda_graphs: replay the cached passes
     whose shapes repeat from CUDA graphs (default: with the kernels on CUDA). kv_cache_bytes: the cache's
     budget, at least one token's row (default: 40% of free GPU memory, or 1 GiB on the CPU); allocated at the
-    first request that needs it, when the kernels are also compiled."""
+    first request that needs it, when the kernels are also compiled. batch_invariant: every request's tokens the
+    same alone or in any batch (CPU only so far, issue 16)."""
 
     def __init__(self, model: DiffusionLM, kernels: bool | None = None, cuda_graphs: bool | None = None,
-                 kv_cache_bytes: int | None = None):
+                 kv_cache_bytes: int | None = None, batch_invariant: bool = False):
         weights = next(model.parameters())
         self.model, self.device, self.dtype = model, weights.device, weights.dtype
         on_cuda = self.device.type == "cuda"
+        if batch_invariant and (on_cuda or kernels):
+            raise ValueError("batch_invariant=True runs on the CPU with the PyTorch paths (kernels off) so far: on "
+                             "the GPU the GEMMs' and attention's reduction order depends on the batch (issue 16)")
+        self.batch_invariant = batch_invariant
         if kernels and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("kernels=True needs a CUDA device (or TRITON_INTERPRET=1 to run them interpreted)")
         self.kernels = on_cuda if kernels is None else kernels
@@ -97,7 +102,22 @@ class ModelRunner:
     def full_logits(self, tokens: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor,
                     columns: torch.Tensor) -> torch.Tensor:
         """One forward over tokens [B, W] (left-padded rows) -> fp32 logits [B, n] of the columns [B, n]."""
-        return self.logits_at(self.model.hidden_states(tokens, positions, attention_mask), columns)
+        return self.logits_at(self.full_hidden(tokens, positions, attention_mask), columns)
+
+    def full_hidden(self, tokens: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """One forward over tokens [B, W] (left-padded rows) -> final-normed hidden states [B, W, d]. Batch
+        invariant: each row runs with its own tokens first and attention sums keys in one order
+        (kernels/attention.py), so that a row's keys are summed the same way whatever the batch's width."""
+        if not self.batch_invariant:
+            return self.model.hidden_states(tokens, positions, attention_mask)
+        width = tokens.shape[1]
+        padding = (~attention_mask).sum(dim=1, keepdim=True)
+        columns = torch.arange(width, device=tokens.device)
+        rolled = (columns + padding) % width  # rolled column c holds column (c + padding) % W
+        hidden = self.model.hidden_states(tokens.gather(1, rolled), positions.gather(1, rolled),
+                                          attention_mask.gather(1, rolled), ordered=True)
+        back = ((columns - padding) % width)[..., None].expand(-1, -1, hidden.shape[-1])
+        return hidden.gather(1, back)
 
     def logits_at(self, hidden: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
         """fp32 logits [B, n] of the columns [B, n] from a full forward's final-normed hidden states [B, W, d]
@@ -135,7 +155,8 @@ class ModelRunner:
             hidden_keys = torch.zeros(len(counts), max_kv, dtype=torch.bool, device=device)
             hidden_keys[rows.request, positions] = torch.ones_like(positions, dtype=torch.bool)  # `= True`: a host copy
             options.update(write_cache=False, hidden_keys=hidden_keys, self_visibility=visibility)
-        metadata = AttentionMetadata.build(rows, kv_start, kv_len, positions, max_kv, **options)
+        metadata = AttentionMetadata.build(rows, kv_start, kv_len, positions, max_kv, ordered=self.batch_invariant,
+                                           **options)
         if kept is not None and any(kept):
             unwritten = rows.rank < device_tensor(kept, device)[rows.request]
             metadata.slot_mapping = metadata.slot_mapping.masked_fill(unwritten, self.cache.scratch_row)

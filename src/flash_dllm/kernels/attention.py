@@ -1,8 +1,15 @@
-"""Scheduled attention over the attention metadata, PyTorch reference.
+"""Scheduled attention over the attention metadata, PyTorch reference; and attention whose sums over keys run in
+one fixed order (batch-invariant decoding).
 
 Each request's query rows attend to its range of the flat KV cache. The reference pads queries and keys
 per request with index tensors (no Python loop over the batch); the Triton kernel (flash_attention.py)
 replaces it and is tested against it.
+
+PyTorch's attention, softmax and matmuls group a sum over keys by its length: padding keys (exact zeros after
+the softmax) still change how the real ones are grouped, so a request's result depends on the longest request
+of its batch. `ordered_attention` sums keys in chunks of ORDER_CHUNK by matmul (a fixed length), then the
+chunks' partial sums left to right: a row's result depends only on its visible keys and their positions from
+index 0.
 """
 from __future__ import annotations
 
@@ -10,6 +17,39 @@ import torch
 import torch.nn.functional as F
 
 from ..cache.attention_metadata import AttentionMetadata
+
+
+ORDER_CHUNK = 64
+
+
+def ordered_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """The sum over `dim` added left to right, one element at a time (a scan): zeros that follow the values,
+    however many, leave it unchanged."""
+    return x.cumsum(dim).select(dim, -1)
+
+
+def ordered_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k [B, H, Q or K, D]; v [B, H, K, Dv]; visible [B, 1 or H, 1 or Q, K] -> (out [B, H, Q, Dv] in q's dtype,
+    probabilities [B, H, Q, K] fp32), every sum over keys in one order (module docstring). A row that sees no
+    key gets zeros."""
+    B, H, Q, D = q.shape
+    K = k.shape[2]
+    padded = -(-K // ORDER_CHUNK) * ORDER_CHUNK
+    pad_keys = lambda t: F.pad(t.float(), (0, 0, 0, padded - K))
+    scores = (q.float() @ pad_keys(k).transpose(-1, -2)) * D ** -0.5                  # sums over D only
+    visible = F.pad(visible, (0, padded - K)).expand(B, H, Q, padded)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    top = scores.amax(dim=-1, keepdim=True)
+    weights = torch.exp(scores - torch.where(top == float("-inf"), 0.0, top))        # 0 where not visible
+    values = torch.cat([pad_keys(v), torch.ones(B, H, padded, 1, device=v.device)], dim=-1)  # and the sum
+    chunks, Dv = padded // ORDER_CHUNK, v.shape[-1]
+    partial = weights.view(B, H, Q, chunks, ORDER_CHUNK).transpose(2, 3) @ values.view(B, H, chunks, ORDER_CHUNK,
+                                                                                        Dv + 1)
+    total = ordered_sum(partial, dim=2)                                                 # [B, H, Q, Dv + 1]
+    normaliser = total[..., Dv:].masked_fill(total[..., Dv:] == 0, 1.0)
+    out = (total[..., :Dv] / normaliser).to(q.dtype)
+    return out, (weights / normaliser)[..., :K]
 
 
 def _padded_index(starts: torch.Tensor, lengths: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,7 +83,15 @@ def ragged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         kp, vp = torch.cat([kp, expand(k_new[q_index])], dim=2), torch.cat([vp, expand(v_new[q_index])], dim=2)
         own = metadata.self_visibility & q_valid[:, None, :]
         mask = torch.cat([kv_valid[:, None, :].expand(-1, metadata.max_q, -1), own], dim=2)[:, None]
-    if key_mass is None:
+    if metadata.ordered:
+        if k_new is not None:  # its own keys right after its cache range, wherever the batch's longest ends
+            kp, vp, mask = _own_keys_after_cache(kp, vp, mask, metadata, q_index)
+        out, probs = ordered_attention(qp, kp, vp, mask)
+        if key_mass is not None:
+            tracked = q_valid & metadata.track_rows[q_index]
+            mass = (probs[..., :metadata.max_kv] * tracked[:, None, :, None]).flatten(1, 2)  # [B, H * Q, K]
+            key_mass += ordered_sum(mass, dim=1)
+    elif key_mass is None:
         out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask)
     else:
         scores = torch.einsum("bhqd,bhkd->bhqk", qp.float(), kp.float()) * q.shape[-1] ** -0.5
@@ -53,3 +101,17 @@ def ragged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         tracked = q_valid & metadata.track_rows[q_index]                                # [B, Q]
         key_mass += (probs * tracked[:, None, :, None]).sum(dim=(1, 2))
     return out.transpose(1, 2)[q_valid]                                              # [N, H, D]
+
+
+def _own_keys_after_cache(kp, vp, mask, metadata: AttentionMetadata, q_index):
+    """A verify pass's key axis [cache range padded to max_kv | own rows padded to max_q] rearranged so that each
+    request's own rows follow its own cache range: key j of request b comes from column j of the old axis while
+    j < kv_len[b], from max_kv + (j - kv_len[b]) after that."""
+    width = kp.shape[2]
+    j = torch.arange(width, device=kp.device)
+    kv_len = metadata.kv_len[:, None]
+    source = torch.where(j < kv_len, j, (metadata.max_kv + j - kv_len).clamp(max=width - 1))    # [B, width]
+    gather = lambda t: t.gather(2, source[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3]))
+    moved = mask.expand(-1, -1, mask.shape[2], -1).gather(3, source[:, None, None, :].expand(-1, 1, mask.shape[2], -1))
+    moved &= (j < kv_len + metadata.max_q)[:, None, None, :]
+    return gather(kp), gather(vp), moved

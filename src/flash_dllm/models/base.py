@@ -53,11 +53,12 @@ class DiffusionLM(nn.Module):
                                                                       bias=cfg.linear_bias)
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
-                      attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+                      attention_mask: torch.Tensor | None = None, ordered: bool = False) -> torch.Tensor:
         """input_ids [B, L] -> final-normed hidden states [B, L, d].
 
         positions [B, L] are the RoPE positions (default 0..L-1); attention_mask [B, L] is True for the
-        keys a row may attend to (False for padding).
+        keys a row may attend to (False for padding). ordered: attention sums over keys in one fixed order
+        (batch-invariant decoding, kernels/attention.py).
         """
         B, L = input_ids.shape
         if positions is None:
@@ -66,7 +67,7 @@ class DiffusionLM(nn.Module):
         attn_mask = None if attention_mask is None else attention_mask[:, None, None, :]
         x = self.embed(input_ids)
         for layer in self.layers:
-            x = layer(x, cos, sin, attn_mask)
+            x = layer(x, cos, sin, attn_mask, ordered)
         return self.final_norm(x)
 
     def forward_cached(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,

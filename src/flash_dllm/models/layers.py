@@ -16,7 +16,7 @@ from torch import nn
 from ..cache.attention_metadata import AttentionMetadata
 from ..cache.kv_cache import KVCache
 from ..config import ModelConfig
-from ..kernels.attention import ragged_attention_ref
+from ..kernels.attention import ordered_attention, ragged_attention_ref
 from ..kernels.flash_attention import flash_attention
 from ..kernels.fused_qkv_rope import qkv_rope
 from ..kernels.rms_norm import rms_norm, rms_norm_ref
@@ -91,8 +91,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.linear_bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attn_mask: torch.Tensor | None) -> torch.Tensor:
-        """x [B, L, d] -> [B, L, d]; attn_mask [B, 1, 1, L] True for the keys a row may see."""
+                attn_mask: torch.Tensor | None, ordered: bool = False) -> torch.Tensor:
+        """x [B, L, d] -> [B, L, d]; attn_mask [B, 1, 1, L] True for the keys a row may see. ordered: every sum
+        over keys in one fixed order (batch-invariant decoding)."""
         B, L, _ = x.shape
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
         q = apply_rotary(q.view(B, L, self.num_heads, self.head_dim), cos, sin).transpose(1, 2)
@@ -101,7 +102,11 @@ class Attention(nn.Module):
         if self.num_kv_heads != self.num_heads:  # GQA: kv head j serves query heads j*g .. j*g+g-1
             group = self.num_heads // self.num_kv_heads
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # bidirectional
+        if ordered:
+            visible = torch.ones(B, 1, 1, L, dtype=torch.bool, device=x.device) if attn_mask is None else attn_mask
+            out = ordered_attention(q, k, v, visible)[0]
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # bidirectional
         return self.o_proj(out.transpose(1, 2).reshape(B, L, -1))
 
     def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -165,8 +170,8 @@ class DecoderLayer(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_bias)
         self.mlp = GatedMLP(cfg)
 
-    def forward(self, x, cos, sin, attn_mask):
-        x = x + self.attention(self.attn_norm(x), cos, sin, attn_mask)
+    def forward(self, x, cos, sin, attn_mask, ordered: bool = False):
+        x = x + self.attention(self.attn_norm(x), cos, sin, attn_mask, ordered)
         return x + self.mlp(self.mlp_norm(x))
 
     def forward_cached(self, x: torch.Tensor, rope: Rotary, metadata: AttentionMetadata, cache: KVCache,

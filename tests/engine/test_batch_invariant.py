@@ -1,0 +1,47 @@
+"""Batch-invariant decoding (CPU): with batch_invariant=True every method decodes each request to the same tokens
+alone and in batches of 2, 8 and 32 (continuous batching refills the smaller ones), in bf16 on random weights
+whose near-ties flip on any change of rounding; and twice the same. On the GPU the mode is refused for now."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flash_dllm import LLM, SamplingParams
+from flash_dllm.decoding.registry import METHODS
+from flash_dllm.engine.model_runner import ModelRunner
+
+KNOBS = {"parallel": dict(threshold=0.9), "prefix-cache": dict(threshold=0.9), "dual-cache": dict(threshold=0.9),
+         "flash-cache": dict(threshold=0.9, tracking_budget=6, mask_window=8),
+         "flash-verify": dict(threshold=0.9, tracking_budget=6, mask_window=8, verify_threshold=0.3),
+         "elastic": dict(threshold=0.9, mask_window=6, drift_threshold=0.95)}
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    """16 prompts of 3 to 100 tokens: a batch pads the short ones by up to 97 columns."""
+    g = torch.Generator().manual_seed(1)
+    lengths = [3, 100, 17, 64, 5, 41, 88, 9, 30, 72, 12, 55, 96, 23, 7, 47]
+    return [torch.randint(5, 320, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module", params=["llada-tiny", "dream-tiny"])
+def llms(request) -> dict[int, LLM]:
+    return {size: LLM(f"random:{request.param}", device="cpu", dtype="bfloat16", max_batch_size=size,
+                      batch_invariant=True) for size in (1, 2, 8, 32)}
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_alone_and_in_any_batch_give_the_same_tokens(llms, prompts, method):
+    params = SamplingParams(method=method, max_tokens=16, block_length=8, **KNOBS.get(method, {}))
+    alone = [out.token_ids for out in llms[1].generate(prompts, params, use_tqdm=False)]  # one at a time
+    assert any(alone)
+    for size in (2, 8, 32):
+        assert [out.token_ids for out in llms[size].generate(prompts, params, use_tqdm=False)] == alone, size
+    assert [out.token_ids for out in llms[8].generate(prompts, params, use_tqdm=False)] == alone  # and again
+
+
+def test_refused_where_not_implemented():
+    """The Triton kernels (and so the GPU) sum in the batch's order for now."""
+    model = LLM("random:llada-tiny", device="cpu").model
+    with pytest.raises(ValueError, match="batch_invariant"):
+        ModelRunner(model, kernels=True, batch_invariant=True)
