@@ -190,6 +190,16 @@ def cmd_info(args):
     print(f"KV cache per token: {cfg.kv_bytes_per_token:,} bytes (bf16, all layers)")
 
 
+def bench_cases(args):
+    """(SamplingParams, batch size) for each method (at its published block length unless --block-length says
+    otherwise) and batch size of a `bench step` or `bench generate` command."""
+    for method in args.methods:
+        params = SamplingParams(method=method, max_tokens=args.max_tokens,
+                                block_length=args.block_length or method_of(method).published_block_length)
+        for batch in args.batch_sizes:
+            yield params, batch
+
+
 def cmd_bench(args):
     import torch
 
@@ -219,27 +229,19 @@ def cmd_bench(args):
         print(f"# prompt {args.prompt_length}, generation {args.max_tokens}, one timed LLM.generate call per row "
               f"after a warm-up call; {switches}")
         results = []
-        for method in args.methods:
-            params = SamplingParams(method=method, max_tokens=args.max_tokens,
-                                    block_length=args.block_length or method_of(method).published_block_length)
-            for batch in args.batch_sizes:
-                results.append(bench_generate(llm, params, batch, args.prompt_length))
-                r = results[-1]
-                print(f"{method} batch {batch}: {r.ms_per_iter:.2f} ms/iter over {r.iterations} iterations, "
-                      f"{r.tokens_per_s:.1f} tok/s", file=sys.stderr, flush=True)
+        for params, batch in bench_cases(args):
+            results.append(r := bench_generate(llm, params, batch, args.prompt_length))
+            print(f"{params.method} batch {batch}: {r.ms_per_iter:.2f} ms/iter over {r.iterations} iterations, "
+                  f"{r.tokens_per_s:.1f} tok/s", file=sys.stderr, flush=True)
         print(format_generate_table(results))
         return
     print(f"# prompt {args.prompt_length}, generation {args.max_tokens}, {args.warmup} warm-up + {args.iters} "
           f"timed iterations; {switches}")
     results = []
-    for method in args.methods:
-        params = SamplingParams(method=method, max_tokens=args.max_tokens,
-                                block_length=args.block_length or method_of(method).published_block_length)
-        for batch in args.batch_sizes:
-            results.append(bench_step(llm, params, batch, args.prompt_length, args.warmup, args.iters))
-            r = results[-1]  # progress, in case a long run is cut short
-            print(f"{method} batch {batch}: {r.ms_per_iter:.2f} ms/iter, {r.query_rows:.0f} query rows, "
-                  f"{r.ratio:.2f}x floor", file=sys.stderr, flush=True)
+    for params, batch in bench_cases(args):
+        results.append(r := bench_step(llm, params, batch, args.prompt_length, args.warmup, args.iters))
+        print(f"{params.method} batch {batch}: {r.ms_per_iter:.2f} ms/iter, {r.query_rows:.0f} query rows, "
+              f"{r.ratio:.2f}x floor", file=sys.stderr, flush=True)  # progress, in case a long run is cut short
     if not all(r.forced for r in results):
         print("warning: some method decoded other than 1 token per iteration; the work is not identical "
               "across methods (a trained model?)", file=sys.stderr)
