@@ -40,6 +40,15 @@ def test_alone_and_in_any_batch_give_the_same_tokens(llms, prompts, method):
     assert [out.token_ids for out in llms[8].generate(prompts, params, use_tqdm=False)] == alone  # and again
 
 
+@pytest.mark.parametrize("method", ["parallel", "flash-verify", "dream"])
+def test_sampled_requests_too(llms, prompts, method):
+    """Temperature > 0: the noise is counter-based (seed, step, position, token), the logits batch-invariant."""
+    params = SamplingParams(method=method, max_tokens=16, block_length=8, temperature=0.8, seed=3,
+                            **KNOBS.get(method, {}))
+    alone = [out.token_ids for out in llms[1].generate(prompts, params, use_tqdm=False)]
+    assert [out.token_ids for out in llms[8].generate(prompts, params, use_tqdm=False)] == alone
+
+
 def test_refused_where_not_implemented():
     """The Triton kernels (and so the GPU) sum in the batch's order for now."""
     model = LLM("random:llada-tiny", device="cpu").model
