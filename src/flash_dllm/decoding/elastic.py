@@ -187,7 +187,10 @@ def _reuse_pass(runner: ModelRunner, batch: DecodeBatch, reuse: CachedPass, trac
     # Captured at its exact row count: padding rows would change the GEMMs' shapes, and cuBLAS's rounding with
     # them (2 of 100 embedded trace items decoded differently in fp32 on the H200).
     key = ("elastic reuse", m.max_q, m.max_kv, width, *((tuple(t.shape), t.dtype) for t in tensors))
-    return runner.graphs.run(key, layers, tensors)
+    cache = runner.cache
+    written = lambda *t: [(buffer[layer], t[5]) for buffer in (cache.hidden_states(), cache.k, cache.v)  # slots
+                          for layer in range(cfg.num_layers)]
+    return runner.graphs.run(key, layers, tensors, keep=written if drift else None)
 
 
 def _reuse_layers(model, cache, kernels: bool, metadata: AttentionMetadata, width: int, input_ids, positions,

@@ -65,15 +65,20 @@ class _CapturedCall:
     """One captured call: the static tensors it reads (its inputs, copied in before each replay), its outputs
     and its graph."""
 
-    def __init__(self, fn, tensors: tuple[torch.Tensor, ...], pool, stream):
+    def __init__(self, fn, tensors: tuple[torch.Tensor, ...], pool, stream, keep=None):
         self.inputs = tuple(t.clone() for t in tensors)
         # Warm up before capturing (cuBLAS workspaces, lazily built tensors). A call that writes the cache writes
-        # the same rows with the same values as the call itself will.
+        # the same rows with the same values as the call itself will; one that also reads what it writes (the
+        # drift test reads the rows as cached before it rewrites them) names them in `keep`, and they are put
+        # back after the warm-up, so that the first replay reads what an eager call would have.
         # (torch.cuda.graph() would also run gc.collect() and empty the allocator's cache at every capture.)
         stream.wait_stream(torch.cuda.current_stream())
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(stream):
+            saved = [(buffer, rows, buffer[rows].clone()) for buffer, rows in (keep(*self.inputs) if keep else [])]
             fn(*self.inputs)
+            for buffer, rows, values in saved:
+                buffer[rows] = values
             self.graph.capture_begin(pool=pool)
             try:
                 self.outputs = fn(*self.inputs)
@@ -102,7 +107,9 @@ class GraphedCalls:
         self.stream = None  # captures run off the default stream, on this one (made at the first)
         self.captures = self.replays = 0
 
-    def run(self, key: tuple, fn, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    def run(self, key: tuple, fn, tensors: tuple[torch.Tensor, ...], keep=None) -> tuple[torch.Tensor, ...]:
+        """fn(*tensors), eagerly or replayed. keep(*tensors) -> [(buffer, rows)]: state that fn reads before it
+        writes it, restored after the warm-up run that precedes a capture."""
         captured = self.graphs.get(key)
         if captured is None:
             if self.sightings.get(key, 0) < CAPTURE_AFTER:
@@ -111,7 +118,7 @@ class GraphedCalls:
                 self.sightings[key] = self.sightings.get(key, 0) + 1
                 return fn(*tensors)
             del self.sightings[key]
-            captured = self.graphs[key] = self._capture(fn, tensors)
+            captured = self.graphs[key] = self._capture(fn, tensors, keep)
             self.captures += 1
             if len(self.graphs) > self.max_graphs:
                 self.graphs.popitem(last=False)
@@ -119,9 +126,9 @@ class GraphedCalls:
         self.replays += 1
         return captured.replay(tensors)
 
-    def _capture(self, fn, tensors) -> _CapturedCall:
+    def _capture(self, fn, tensors, keep=None) -> _CapturedCall:
         self.stream = self.stream or torch.cuda.Stream(tensors[0].device)
-        captured = _CapturedCall(fn, tensors, self.pool, self.stream)
+        captured = _CapturedCall(fn, tensors, self.pool, self.stream, keep)
         self.pool = captured.graph.pool()
         return captured
 
