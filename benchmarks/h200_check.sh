@@ -18,7 +18,7 @@ from flash_dllm.tasks import load_test_set
 items = [item.prompt for item in load_test_set("trace")[:100]]
 params = SamplingParams(method="elastic", threshold=0.9, max_tokens=128)
 graphs = [o.token_ids for o in LLM(device="cuda", dtype="float32").generate(items, params, use_tqdm=False)]
-m.ModelRunner.graph_rows = lambda self, rows: None  # eager
+m.ModelRunner.uses_graphs = lambda self, rows: False  # eager
 eager = [o.token_ids for o in LLM(device="cuda", dtype="float32").generate(items, params, use_tqdm=False)]
 print(f"elastic trace, graphs vs eager (fp32): {sum(a == b for a, b in zip(graphs, eager))}/{len(items)} identical")
 PY

@@ -4,7 +4,6 @@ Dream-7B configuration; one-line errors for bad Dream checkpoints; every decodin
 from __future__ import annotations
 
 import json
-import math
 import re
 import shutil
 from pathlib import Path
@@ -20,7 +19,7 @@ from flash_dllm.cli import main
 from flash_dllm.config import PRESETS
 from flash_dllm.decoding.registry import METHODS
 from flash_dllm.models import build_model, parse_config, random_model, save_checkpoint
-from test_llada import randomise_biases, read_tensors, rel_err
+from test_llada import attention64, randomise_biases, read_tensors, rel_err, rope64
 
 INDEX = "model.safetensors.index.json"
 SEQ_LEN = 13
@@ -53,23 +52,6 @@ class Reference:
     def rmsnorm(self, x, name):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.w[f"{name}.weight"]
 
-    def rope(self, x, positions):
-        """x [L, heads, hd], positions [L]: rotate-half rotary embedding."""
-        inv_freq = 1.0 / self.theta ** (torch.arange(0, self.hd, 2, dtype=torch.float64) / self.hd)
-        angles = positions.double()[:, None] * inv_freq[None, :]
-        cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
-        x1, x2 = x[..., : self.hd // 2], x[..., self.hd // 2:]
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-
-    def attention(self, q, k, v):
-        """q [L, H, hd], k/v [L, KV, hd]; bidirectional, kv head j serves q heads j*g .. j*g+g-1."""
-        group = self.n_heads // self.n_kv
-        out = torch.empty_like(q)
-        for h in range(self.n_heads):
-            scores = torch.einsum("qd,kd->qk", q[:, h], k[:, h // group]) / math.sqrt(self.hd)
-            out[:, h] = torch.softmax(scores, dim=-1) @ v[:, h // group]
-        return out
-
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [L] -> logits [L, V], row i from hidden state i - 1 (row 0 from hidden state 0)."""
         L = ids.shape[0]
@@ -79,10 +61,10 @@ class Reference:
             b = f"model.layers.{i}."
             h = self.rmsnorm(x, b + "input_layernorm")
             a = b + "self_attn."
-            q = self.rope(self.linear(h, a + "q_proj", bias=True).view(L, self.n_heads, self.hd), positions)
-            k = self.rope(self.linear(h, a + "k_proj", bias=True).view(L, self.n_kv, self.hd), positions)
+            q = rope64(self.linear(h, a + "q_proj", bias=True).view(L, self.n_heads, self.hd), positions, self.theta)
+            k = rope64(self.linear(h, a + "k_proj", bias=True).view(L, self.n_kv, self.hd), positions, self.theta)
             v = self.linear(h, a + "v_proj", bias=True).view(L, self.n_kv, self.hd)
-            x = x + self.linear(self.attention(q, k, v).reshape(L, -1), a + "o_proj")
+            x = x + self.linear(attention64(q, k, v, torch.ones(L, dtype=torch.bool)).reshape(L, -1), a + "o_proj")
             h = self.rmsnorm(x, b + "post_attention_layernorm")
             gate, up = self.linear(h, b + "mlp.gate_proj"), self.linear(h, b + "mlp.up_proj")
             x = x + self.linear(gate * torch.sigmoid(gate) * up, b + "mlp.down_proj")

@@ -30,6 +30,28 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     return {name: t.double() for name, t in load_file(str(path / "model.safetensors")).items()}
 
 
+def rope64(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """x [L, heads, hd], positions [L]: rotate-half rotary embedding in float64."""
+    hd = x.shape[-1]
+    inv_freq = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+    angles = positions.double()[:, None] * inv_freq[None, :]
+    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+    x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def attention64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+    """q [L, H, hd], k/v [L, KV, hd], key_mask [L] bool; bidirectional, kv head j serves q heads j*g.."""
+    group = q.shape[1] // k.shape[1]
+    out = torch.empty_like(q)
+    for h in range(q.shape[1]):
+        j = h // group
+        scores = torch.einsum("qd,kd->qk", q[:, h], k[:, j]) / math.sqrt(q.shape[-1])
+        scores = scores.masked_fill(~key_mask[None, :], float("-inf"))
+        out[:, h] = torch.softmax(scores, dim=-1) @ v[:, j]
+    return out
+
+
 class Reference:
     """LLaDA forward for one unpadded sequence, float64, straight from the config and tensors."""
 
@@ -55,25 +77,6 @@ class Reference:
         y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.w[f"{name}.weight"]
         return y + self.w[f"{name}.bias"] if self.norm_bias else y
 
-    def rope(self, x, positions):
-        """x [L, heads, hd], positions [L]: rotate-half rotary embedding."""
-        inv_freq = 1.0 / self.theta ** (torch.arange(0, self.hd, 2, dtype=torch.float64) / self.hd)
-        angles = positions.double()[:, None] * inv_freq[None, :]
-        cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
-        x1, x2 = x[..., : self.hd // 2], x[..., self.hd // 2:]
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-
-    def attention(self, q, k, v, key_mask):
-        """q [L, H, hd], k/v [L, KV, hd], key_mask [L] bool; bidirectional, kv head j serves q heads j*g.."""
-        group = self.n_heads // self.n_kv
-        out = torch.empty_like(q)
-        for h in range(self.n_heads):
-            j = h // group
-            scores = torch.einsum("qd,kd->qk", q[:, h], k[:, j]) / math.sqrt(self.hd)
-            scores = scores.masked_fill(~key_mask[None, :], float("-inf"))
-            out[:, h] = torch.softmax(scores, dim=-1) @ v[:, j]
-        return out
-
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor | None = None,
                  key_mask: torch.Tensor | None = None) -> torch.Tensor:
         """ids [L] -> logits [L, V]."""
@@ -84,10 +87,11 @@ class Reference:
         for i in range(self.n_layers):
             b = f"{P}blocks.{i}."
             h = self.rmsnorm(x, b + "attn_norm")
-            q = self.rope(self.linear(h, b + "q_proj", self.qkv_bias).view(L, self.n_heads, self.hd), positions)
-            k = self.rope(self.linear(h, b + "k_proj", self.qkv_bias).view(L, self.n_kv, self.hd), positions)
+            q = self.linear(h, b + "q_proj", self.qkv_bias).view(L, self.n_heads, self.hd)
+            k = self.linear(h, b + "k_proj", self.qkv_bias).view(L, self.n_kv, self.hd)
+            q, k = rope64(q, positions, self.theta), rope64(k, positions, self.theta)
             v = self.linear(h, b + "v_proj", self.qkv_bias).view(L, self.n_kv, self.hd)
-            att = self.attention(q, k, v, key_mask).reshape(L, self.n_heads * self.hd)
+            att = attention64(q, k, v, key_mask).reshape(L, self.n_heads * self.hd)
             x = x + self.linear(att, b + "attn_out", self.bias)
             h = self.rmsnorm(x, b + "ff_norm")
             gate, up = self.linear(h, b + "ff_proj", self.bias), self.linear(h, b + "up_proj", self.bias)

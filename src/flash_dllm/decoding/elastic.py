@@ -182,14 +182,14 @@ def _reuse_pass(runner: ModelRunner, batch: DecodeBatch, reuse: CachedPass, trac
     tensors = (reuse.input_ids, reuse.positions, m.cu_seqlens_q, m.kv_start, m.kv_len, m.slot_mapping, m.track_rows,
                *drift_inputs)
     layers = functools.partial(_reuse_layers, runner.model, runner.cache, runner.kernels, m, width)
-    if runner.graph_rows(reuse.input_ids.shape[0]) is None:
+    if not runner.uses_graphs(reuse.input_ids.shape[0]):
         return layers(*tensors)
     # Captured at its exact row count: padding rows would change the GEMMs' shapes, and cuBLAS's rounding with
     # them (2 of 100 embedded trace items decoded differently in fp32 on the H200).
     key = ("elastic reuse", m.max_q, m.max_kv, width, *((tuple(t.shape), t.dtype) for t in tensors))
     cache = runner.cache
-    written = lambda *t: [(buffer[layer], t[5]) for buffer in (cache.hidden_states(), cache.k, cache.v)  # slots
-                          for layer in range(cfg.num_layers)]
+    written = lambda: [(buffer[layer], m.slot_mapping) for buffer in (cache.hidden_states(), cache.k, cache.v)
+                       for layer in range(cfg.num_layers)]
     return runner.graphs.run(key, layers, tensors, keep=written if drift else None)
 
 

@@ -75,7 +75,7 @@ class _CapturedCall:
         stream.wait_stream(torch.cuda.current_stream())
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(stream):
-            saved = [(buffer, rows, buffer[rows].clone()) for buffer, rows in (keep(*self.inputs) if keep else [])]
+            saved = [(buffer, rows, buffer[rows].clone()) for buffer, rows in (keep() if keep else [])]
             fn(*self.inputs)
             for buffer, rows, values in saved:
                 buffer[rows] = values
@@ -108,8 +108,8 @@ class GraphedCalls:
         self.captures = self.replays = 0
 
     def run(self, key: tuple, fn, tensors: tuple[torch.Tensor, ...], keep=None) -> tuple[torch.Tensor, ...]:
-        """fn(*tensors), eagerly or replayed. keep(*tensors) -> [(buffer, rows)]: state that fn reads before it
-        writes it, restored after the warm-up run that precedes a capture."""
+        """fn(*tensors), eagerly or replayed. keep() -> [(buffer, rows)]: state that fn reads before it writes
+        it, restored after the warm-up run that precedes a capture."""
         captured = self.graphs.get(key)
         if captured is None:
             if self.sightings.get(key, 0) < CAPTURE_AFTER:

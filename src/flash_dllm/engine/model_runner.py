@@ -20,7 +20,7 @@ from ..cache.attention_metadata import AttentionMetadata, FlatRows, device_tenso
 from ..cache.kv_cache import KVCache
 from ..decoding.base import check, check_type
 from ..models.base import DiffusionLM
-from .cuda_graphs import MAX_GRAPH_ROWS, CudaGraphs, bucket
+from .cuda_graphs import MAX_GRAPH_ROWS, CudaGraphs
 from .warmup import compile_kernels
 
 
@@ -169,12 +169,9 @@ class ModelRunner:
         forward = self.graphs.run_pass if self.graphs is not None else self._forward_cached
         return forward(p.input_ids, p.positions, p.metadata, key_mass)
 
-    def graph_rows(self, rows: int) -> int | None:
-        """The row count that a pass of `rows` query rows is padded to for a CUDA graph (a bucket, so that
-        shapes repeat), or None where it runs eagerly: graphs off, or a pass too large to gain from one."""
-        if self.graphs is None or bucket(rows) > MAX_GRAPH_ROWS:
-            return None
-        return bucket(rows)
+    def uses_graphs(self, rows: int) -> bool:
+        """Whether a pass of `rows` query rows replays from CUDA graphs: graphs on, and not too large to gain."""
+        return self.graphs is not None and rows <= MAX_GRAPH_ROWS
 
     def _forward_cached(self, input_ids, positions, metadata: AttentionMetadata, key_mass) -> torch.Tensor:
         return self.model.forward_cached(input_ids, positions, metadata, self.cache, key_mass, self.kernels)
