@@ -32,7 +32,7 @@ import torch
 
 from ..cache.attention_metadata import device_tensor
 from .base import DecodingMethod, Settings, check, knob
-from .sampling import NOISE_STREAM, REMASK_STREAM, counter_uniform
+from .sampling import NOISE_STREAM, REMASK_STREAM, counter_uniform, gumbel_noise
 from .transfer import transfer_top_k
 
 if TYPE_CHECKING:
@@ -89,8 +89,7 @@ def dream_tokens(logits: torch.Tensor, batch: DecodeBatch, offsets: torch.Tensor
     x = filtered_logits(logits, batch.temperature, settings.top_p, settings.top_k)
     scores = x
     if batch.is_sampling:  # Gumbel-max draws from softmax(x); rows with temperature 0 stay greedy
-        u = counter_uniform(batch.seed, batch.counters.steps, offsets, NOISE_STREAM, x.shape[-1])
-        gumbel = -torch.log(-torch.log(u))
+        gumbel = gumbel_noise(batch.seed, batch.counters.steps, offsets, NOISE_STREAM, x.shape[-1])
         scores = x + (batch.temperature > 0).double()[:, None, None] * gumbel
     scores = scores.index_fill(-1, device_tensor([batch.mask_id], scores.device), float("-inf"))
     tokens = scores.argmax(dim=-1)
@@ -149,8 +148,8 @@ class Dream(DecodingMethod):
         else:
             confidence = confidence.masked_fill(~masked, float("-inf"))
             if settings.alg_temp > 0:  # k draws without replacement from softmax(confidence / alg_temp)
-                u = counter_uniform(batch.seed, batch.counters.steps, offsets, REMASK_STREAM)
-                confidence = confidence / settings.alg_temp - torch.log(-torch.log(u))
+                confidence = confidence / settings.alg_temp + gumbel_noise(batch.seed, batch.counters.steps, offsets,
+                                                                           REMASK_STREAM)
             reveal = transfer_top_k(confidence, masked, reveal_counts(masked, ratio, last))
         batch.tokens[:, start:] = torch.where(reveal, tokens, generated)
         batch.counters.steps += 1

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .base import DecodingMethod, Settings, check, knob
-from .sampling import NOISE_STREAM, counter_uniform, sample_tokens
+from .sampling import NOISE_STREAM, gumbel_noise, sample_tokens
 from .transfer import confidence_ranks
 
 if TYPE_CHECKING:
@@ -117,10 +117,10 @@ def lossless_step(runner: ModelRunner, batch: DecodeBatch):
     new_tokens = candidates[source]
     if batch.is_sampling:  # each draft's token under the noise of the step it would be decided at
         steps = counters.steps + num_accepted
-        noise = counter_uniform(batch.seed.repeat_interleave(2 * n), (steps[:, None] + draft_rank).flatten(),
-                                offsets[source].flatten()[:, None], NOISE_STREAM, logits.shape[-1])[:, 0]
-        scores = logits[source].double().flatten(0, 1) - (
-            batch.temperature.repeat_interleave(2 * n)[:, None].double() * torch.log(-torch.log(noise)))
+        noise = gumbel_noise(batch.seed.repeat_interleave(2 * n), (steps[:, None] + draft_rank).flatten(),
+                             offsets[source].flatten()[:, None], NOISE_STREAM, logits.shape[-1])[:, 0]
+        scores = logits[source].double().flatten(0, 1) + (
+            batch.temperature.repeat_interleave(2 * n)[:, None].double() * noise)
         scores[:, mask_id] = float("-inf")
         new_tokens = scores.argmax(dim=-1).view(B, 2 * n)
     rank.fill_(-1)

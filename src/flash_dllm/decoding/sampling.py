@@ -53,6 +53,13 @@ def counter_uniform(seed: torch.Tensor, step: torch.Tensor, column: torch.Tensor
 NOISE_STREAM, REMASK_STREAM = 1, 2
 
 
+def gumbel_noise(seed: torch.Tensor, step: torch.Tensor, column: torch.Tensor, stream: int,
+                 vocab_size: int | None = None) -> torch.Tensor:
+    """Standard Gumbel noise -log(-log u) on counter_uniform's numbers (same arguments, float64): argmax(x + g)
+    draws from softmax(x), argmax(x + T g) from softmax(x / T)."""
+    return -torch.log(-torch.log(counter_uniform(seed, step, column, stream, vocab_size)))
+
+
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor, step: torch.Tensor,
                   column: torch.Tensor, sample: bool, mask_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, n, V] -> (tokens [B, n], confidence [B, n] float64 = softmax(logits)[token]).
@@ -65,8 +72,8 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, seed: torch.T
     logits = logits.double()
     scores = logits
     if sample:
-        u = counter_uniform(seed, step, column, NOISE_STREAM, logits.shape[-1])
-        scores = logits - temperature.double()[:, None, None] * torch.log(-torch.log(u))
+        scores = logits + temperature.double()[:, None, None] * gumbel_noise(seed, step, column, NOISE_STREAM,
+                                                                             logits.shape[-1])
     scores = scores.index_fill(-1, device_tensor([mask_id], scores.device), float("-inf"))
     tokens = scores.argmax(dim=-1)
     confidence = torch.softmax(logits, dim=-1).gather(-1, tokens[..., None]).squeeze(-1)
