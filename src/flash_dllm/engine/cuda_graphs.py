@@ -90,7 +90,8 @@ class _CapturedCall:
         for static, t in zip(self.inputs, tensors):
             static.copy_(t)
         self.graph.replay()
-        return tuple(t.clone() for t in self.outputs)  # the next replay overwrites the static outputs
+        # the next replay overwrites the static outputs
+        return tuple(None if t is None else t.clone() for t in self.outputs)
 
 
 class GraphedCalls:
