@@ -31,8 +31,7 @@ class LeftToRight(BlockMethod):
     name = "left-to-right"
     Settings = LeftToRightSettings
 
-    def block_logits(self, runner, batch, columns):
-        batch.count_query_rows([row.length for row in batch.rows])
+    def block_logits(self, runner, batch, columns, plan):  # plan: one full forward (BlockMethod's default)
         return runner.full_logits(batch.tokens, batch.positions, batch.attention_mask, columns)
 
     def unmask(self, batch, confidence, masked):

@@ -1,6 +1,10 @@
-"""CUDA graphs replay the repeating cached passes with the eager kernel path's tokens (GPU only); a pass is
-specialised on every shape it depends on; asking for graphs without the kernels on a GPU is an error."""
+"""CUDA graphs replay the repeating steps and cached passes with the eager kernel path's tokens (GPU only); a
+pass is specialised on every shape it depends on; the whole-step path gives the eager tokens and writes the
+batch's tensors in place (CPU, with captures that rerun Python); constants are uploaded once and held by the
+graphs that read them; asking for graphs without the kernels on a GPU is an error."""
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -8,8 +12,10 @@ import torch
 from flash_dllm import LLM, SamplingParams
 from flash_dllm.cache import KVCache
 from flash_dllm.cache.attention_metadata import AttentionMetadata, cu_seqlens
+from flash_dllm.decoding.registry import method_of
 from flash_dllm.engine.cuda_graphs import (CAPTURE_AFTER, MAX_GRAPH_ROWS, CudaGraphs, GraphedCalls, bucket,
                                           pad_verify_pass, signature)
+from flash_dllm.engine.llm_engine import LLMEngine
 
 METHODS = [dict(method="prefix-cache"), dict(method="dual-cache"),
            dict(method="flash-cache", tracking_budget=4, mask_window=8),
@@ -28,7 +34,70 @@ def test_graphs_give_the_eager_tokens(gqa_checkpoint, knobs):
         outputs[graphs] = [out.token_ids for out in llm.generate(PROMPTS, params)]
         if graphs:
             assert llm.runner.graphs.replays > 0
+            steps_captured = any(key[0] == "step" for key in llm.runner.graphs.graphs)
+            assert steps_captured == method_of(knobs["method"]).replayable
     assert outputs[True] == outputs[False]
+
+
+class ReplayingCapture:
+    """A capture without a GPU: the capturing call runs the function, a replay runs it again. (A real replay runs
+    no Python: host work of a step must be in its plan, which this test cannot see; it checks the rest.)"""
+
+    def __init__(self, fn, tensors):
+        self.fn = fn
+        self.first_outputs = fn(*tensors)
+
+    def replay(self, tensors):
+        return self.fn(*tensors)
+
+
+def batch_tensors(batch) -> list[int]:
+    """The storage of every tensor of a batch (a captured step reads and writes them where they were)."""
+    tensors = [getattr(batch, f.name) for f in dataclasses.fields(batch)]
+    for group in (batch.counters, batch.state):
+        if group is not None:
+            tensors += [getattr(group, f.name) for f in dataclasses.fields(group)]
+    return [t.data_ptr() for t in tensors if isinstance(t, torch.Tensor)]
+
+
+@pytest.mark.parametrize("knobs", [k for k in METHODS if method_of(k["method"]).replayable], ids=lambda k: k["method"])
+def test_whole_steps_go_through_the_step_graphs_in_place(gqa_checkpoint, knobs, monkeypatch):
+    """A replayable method's steps run through the engine's step graphs: the eager tokens and query rows, and a
+    step never rebinds a tensor of the batch (a graph would go on writing the old one)."""
+    params = SamplingParams(max_tokens=32, block_length=8, threshold=0.9, **knobs)
+    expected = LLM(gqa_checkpoint, device="cpu", dtype="float32").generate(PROMPTS, params, use_tqdm=False)
+
+    monkeypatch.setattr(GraphedCalls, "_capture", lambda self, fn, tensors: ReplayingCapture(fn, tensors))
+    llm = LLM(gqa_checkpoint, device="cpu", dtype="float32", max_batch_size=2)  # a refill: a second batch
+    llm.runner.graphs = CudaGraphs(llm.runner._forward_cached, torch.device("cpu"))
+    storage = {}
+    finish_state = LLMEngine._finish_state
+
+    def checked_finish_state(engine):
+        before = storage.setdefault(engine.batch_number, batch_tensors(engine.batch))
+        assert batch_tensors(engine.batch) == before
+        return finish_state(engine)
+
+    monkeypatch.setattr(LLMEngine, "_finish_state", checked_finish_state)
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
+    assert [o.query_rows for o in outputs] == [o.query_rows for o in expected]
+    step_keys = [key for key in llm.runner.graphs.graphs if key[0] == "step"]
+    assert step_keys and {key[1] for key in step_keys} <= set(storage)
+    assert llm.runner.graphs.replays > 0
+
+
+def test_constants_are_uploaded_once_and_held_by_the_graphs_that_read_them(monkeypatch):
+    monkeypatch.setattr(GraphedCalls, "MAX_CONSTANTS", 2)
+    graphs = GraphedCalls(torch.device("cpu"))
+    first = graphs.constant([3, 4])
+    assert graphs.constant([3, 4]) is first and torch.equal(first, torch.tensor([3, 4]))
+    graphs.read_by_capture = []  # a capture under way
+    graphs.constant([5])
+    graphs.constant([3, 4])
+    graphs.constant([6])  # the least recently used list, [5], is dropped from the memo
+    assert list(graphs.constants) == [(3, 4), (6,)]
+    assert [t.tolist() for t in graphs.read_by_capture] == [[5], [3, 4], [6]]  # but the graph holds it
 
 
 def test_graphs_need_the_kernels_on_a_gpu(gqa_checkpoint):
@@ -67,7 +136,10 @@ class CountingForward:
 
 
 class FakeCapture:
-    def __init__(self, *args):
+    """A capture without a GPU: the capturing call runs the function once, a replay returns its first input."""
+
+    def __init__(self, fn, tensors):
+        self.first_outputs = fn(*tensors)
         self.replays = 0
 
     def replay(self, tensors):
@@ -85,15 +157,16 @@ def make_pass(rows: int, max_kv: int = 20, write_cache: bool = True):
 
 
 def test_capture_policy(monkeypatch):
-    """Eager for the first CAPTURE_AFTER sightings of a shape, then captured once and replayed; the least
-    recently used graph goes first; passes over MAX_GRAPH_ROWS rows are never captured."""
-    monkeypatch.setattr(GraphedCalls, "_capture", lambda self, *args: FakeCapture())
+    """Eager for the first CAPTURE_AFTER sightings of a shape, then captured once (the capturing call runs it
+    once more) and replayed; the least recently used graph goes first; passes over MAX_GRAPH_ROWS rows are never
+    captured."""
+    monkeypatch.setattr(GraphedCalls, "_capture", lambda self, fn, tensors: FakeCapture(fn, tensors))
     model = CountingForward()
-    graphed = CudaGraphs(model, max_graphs=2)
+    graphed = CudaGraphs(model, torch.device("cpu"), max_graphs=2)
     ids, positions, table = make_pass(8)
     for _ in range(CAPTURE_AFTER + 3):
         graphed.run_pass(ids, positions, table)
-    assert (model.eager, graphed.captures, graphed.replays) == (CAPTURE_AFTER, 1, 3)
+    assert (model.eager, graphed.captures, graphed.replays) == (CAPTURE_AFTER + 1, 1, 2)
 
     for rows in (9, 10):  # two more shapes: the first one's graph is evicted
         for _ in range(CAPTURE_AFTER + 1):
@@ -112,16 +185,16 @@ def test_capture_policy(monkeypatch):
 def test_verify_passes_of_one_bucket_share_a_graph(monkeypatch):
     """Passes that do not write the cache are replayed padded to a bucket of rows: row counts that vary
     within one bucket share one graph, and the output keeps only the pass's own rows."""
-    monkeypatch.setattr(GraphedCalls, "_capture", lambda self, *args: FakeCapture())
+    monkeypatch.setattr(GraphedCalls, "_capture", lambda self, fn, tensors: FakeCapture(fn, tensors))
     model = CountingForward()
-    graphed = CudaGraphs(model)
+    graphed = CudaGraphs(model, torch.device("cpu"))
     assert bucket(97) == bucket(100) == 112 and bucket(16) == 16 and bucket(1000) == 1024
     for rows in (97, 100, 103, 110, 99, 112):
         out = graphed.run_pass(*make_pass(rows, write_cache=False))
         assert torch.equal(out, torch.arange(rows) + 1)
-    assert (model.eager, graphed.captures, graphed.replays) == (CAPTURE_AFTER, 1, 3)
+    assert (model.eager, graphed.captures, graphed.replays) == (CAPTURE_AFTER + 1, 1, 2)
     graphed.run_pass(*make_pass(113, write_cache=False))  # the next bucket
-    assert model.eager == CAPTURE_AFTER + 1
+    assert model.eager == CAPTURE_AFTER + 2
 
 
 def test_a_padded_verify_pass_gives_the_same_rows(gqa_checkpoint):

@@ -31,10 +31,13 @@ class FlatRows:
     rank: torch.Tensor        # [N]
 
     @classmethod
-    def from_counts(cls, counts: list[int], device) -> FlatRows:
-        cu, num_rows = cu_seqlens(counts, device), sum(counts)
-        request = torch.repeat_interleave(torch.arange(len(counts), device=device), device_tensor(counts, device),
-                                          output_size=num_rows)
+    def from_counts(cls, counts: list[int], device, upload=None) -> FlatRows:
+        """upload(values) -> the host list on the device (the runner's keeps repeated lists there for CUDA
+        graphs); default: a fresh copy."""
+        offsets = [0, *itertools.accumulate(counts)]
+        cu = upload(offsets) if upload is not None else device_tensor(offsets, device)
+        num_rows = offsets[-1]
+        request = torch.repeat_interleave(torch.arange(len(counts), device=device), cu.diff(), output_size=num_rows)
         return cls(counts, cu, request, torch.arange(num_rows, device=device) - cu[request])
 
     @property

@@ -77,8 +77,26 @@ def check_type(name: str, value: Any, annotation: str):
         check(isinstance(value, str), f"{name} must be a string, got {value!r} ({type(value).__name__})")
 
 
+@dataclass(frozen=True)
+class StepPlan:
+    """The host values a step's device work depends on: the query rows of its pass for each batch row, and
+    whatever else shapes it (hashable). Over one batch, equal plans launch the same kernels on the same shapes."""
+    counts: tuple[int, ...]
+    extra: tuple = ()
+
+    @property
+    def rows(self) -> int:
+        return sum(self.counts)
+
+
 class DecodingMethod:
-    """One decoding method. Subclasses set `name` and `Settings`, and implement `step`."""
+    """One decoding method. Subclasses set `name` and `Settings`, and implement `step`, or `plan` and `run`.
+
+    A method whose step reads nothing back from the device before it ends splits it in two: `plan` (host: the
+    shape of its passes, and the bookkeeping of the query rows they compute) and `run` (the device work, a
+    function of the batch's tensors and the plan, which updates them in place and never rebinds them). It sets
+    `replayable`, and the engine then replays its steps from CUDA graphs while the batch and the plan repeat.
+    """
 
     name: ClassVar[str]
     Settings: ClassVar[type[Settings]] = Settings
@@ -91,6 +109,7 @@ class DecodingMethod:
     handles_logit_shift: ClassVar[bool] = False
     # `flash-dllm demo`'s rows: label -> settings (default: one row, the method's defaults).
     demo_variants: ClassVar[dict[str, dict] | None] = None
+    replayable: ClassVar[bool] = False  # its step is `plan` + `run`, and `run` has no host read
 
     def validate(self, params: SamplingParams):
         """Checks across the common fields and the settings (ranges of single knobs are the settings')."""
@@ -103,4 +122,12 @@ class DecodingMethod:
     def step(self, runner: ModelRunner, batch: DecodeBatch):
         """One iteration for every row: forward passes through `runner`, tokens unmasked in batch.tokens,
         batch.counters advanced."""
+        self.run(runner, batch, self.plan(runner, batch))
+
+    def plan(self, runner: ModelRunner, batch: DecodeBatch) -> StepPlan:
+        """The host part of a step: its passes' shapes; records the query rows they compute (batch.rows)."""
+        raise NotImplementedError
+
+    def run(self, runner: ModelRunner, batch: DecodeBatch, plan: StepPlan):
+        """The device part of a step, given its plan."""
         raise NotImplementedError

@@ -1,13 +1,14 @@
 """The iteration of the methods that decode block by block: logits for each row's current block, candidate
 tokens and confidences, the method's unmasking rule, then the block phase advances. Rows advance together
-in tensor ops; the only host inputs are the per-row block phase, read at the engine's one sync per step."""
+in tensor ops; the only host inputs are the step's plan, made from the per-row block phase read at the
+engine's one sync per step."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 import torch
 
-from .base import DecodingMethod
+from .base import DecodingMethod, StepPlan
 from .sampling import sample_tokens
 
 if TYPE_CHECKING:
@@ -23,10 +24,17 @@ def block_columns(batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class BlockMethod(DecodingMethod):
-    """Subclasses give the block's logits (`block_logits`) and the rule (`unmask`), or a whole `transfer`."""
+    """Subclasses give the block's logits (`block_logits`) and the rule (`unmask`), or a whole `transfer`, and
+    the shape of the passes (`plan`: by default one full forward)."""
 
-    def block_logits(self, runner: ModelRunner, batch: DecodeBatch, columns: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [B, n, V] of the block columns [B, n]; counts the query rows it computes."""
+    def plan(self, runner: ModelRunner, batch: DecodeBatch) -> StepPlan:
+        counts = tuple(row.length * self.passes_per_step(batch) for row in batch.rows)
+        batch.count_query_rows(counts)
+        return StepPlan(counts)
+
+    def block_logits(self, runner: ModelRunner, batch: DecodeBatch, columns: torch.Tensor,
+                     plan: StepPlan) -> torch.Tensor:
+        """fp32 logits [B, n, V] of the block columns [B, n]."""
         raise NotImplementedError
 
     def unmask(self, batch: DecodeBatch, confidence: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
@@ -40,10 +48,10 @@ class BlockMethod(DecodingMethod):
     def passes_per_step(self, batch: DecodeBatch) -> int:
         return 1
 
-    def transfer(self, runner: ModelRunner, batch: DecodeBatch, columns: torch.Tensor,
-                 offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def transfer(self, runner: ModelRunner, batch: DecodeBatch, columns: torch.Tensor, offsets: torch.Tensor,
+                 plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """Candidate tokens [B, n] for the block and which positions to unmask [B, n]."""
-        logits = self.block_logits(runner, batch, columns)
+        logits = self.block_logits(runner, batch, columns, plan)
         masked = batch.tokens.gather(1, columns) == batch.mask_id
         candidates, confidence = sample_tokens(logits, batch.temperature, batch.seed, batch.counters.steps, offsets,
                                                sample=batch.is_sampling, mask_id=batch.mask_id)
@@ -53,9 +61,9 @@ class BlockMethod(DecodingMethod):
     def note_transfer(self, batch: DecodeBatch, columns: torch.Tensor, transfer: torch.Tensor):
         """Per-position bookkeeping of what this step decoded (before the tokens change)."""
 
-    def step(self, runner: ModelRunner, batch: DecodeBatch):
+    def run(self, runner: ModelRunner, batch: DecodeBatch, plan: StepPlan):
         offsets, columns = block_columns(batch)
-        candidates, transfer = self.transfer(runner, batch, columns, offsets)
+        candidates, transfer = self.transfer(runner, batch, columns, offsets, plan)
         self.note_transfer(batch, columns, transfer)
         block = torch.where(transfer, candidates, batch.tokens.gather(1, columns))
         batch.tokens.scatter_(1, columns, block)
@@ -64,4 +72,4 @@ class BlockMethod(DecodingMethod):
         counters.steps += 1
         block_done = ~(block == batch.mask_id).any(dim=1)
         counters.block_index += block_done.long()
-        counters.step_in_block = torch.where(block_done, 0, counters.step_in_block + 1)
+        counters.step_in_block.copy_(torch.where(block_done, 0, counters.step_in_block + 1))

@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..cache.attention_metadata import device_tensor
 from .base import DecodingMethod, Settings, check, knob
 from .sampling import NOISE_STREAM, REMASK_STREAM, counter_uniform, gumbel_noise
 from .transfer import transfer_top_k
@@ -91,7 +90,7 @@ def dream_tokens(logits: torch.Tensor, batch: DecodeBatch, offsets: torch.Tensor
     if batch.is_sampling:  # Gumbel-max draws from softmax(x); rows with temperature 0 stay greedy
         gumbel = gumbel_noise(batch.seed, batch.counters.steps, offsets, NOISE_STREAM, x.shape[-1])
         scores = x + (batch.temperature > 0).double()[:, None, None] * gumbel
-    scores = scores.index_fill(-1, device_tensor([batch.mask_id], scores.device), float("-inf"))
+    scores = scores.index_fill(-1, torch.full((1,), batch.mask_id, device=scores.device), float("-inf"))
     tokens = scores.argmax(dim=-1)
     probs = torch.softmax(x, dim=-1)
     if settings.alg == "topk_margin":

@@ -14,5 +14,5 @@ if TYPE_CHECKING:
 class DualCache(PrefixCache):
     name = "dual-cache"
 
-    def reused_range(self, row: RowState, block_start: int, block_length: int) -> tuple[int, int]:
-        return block_start, block_length
+    def reused_rows(self, row: RowState, block_start: int, block_length: int) -> int:
+        return block_length

@@ -187,10 +187,7 @@ def _reuse_pass(runner: ModelRunner, batch: DecodeBatch, reuse: CachedPass, trac
     # Captured at its exact row count: padding rows would change the GEMMs' shapes, and cuBLAS's rounding with
     # them (2 of 100 embedded trace items decoded differently in fp32 on the H200).
     key = ("elastic reuse", m.max_q, m.max_kv, width, *((tuple(t.shape), t.dtype) for t in tensors))
-    cache = runner.cache
-    written = lambda: [(buffer[layer], m.slot_mapping) for buffer in (cache.hidden_states(), cache.k, cache.v)
-                       for layer in range(cfg.num_layers)]
-    return runner.graphs.run(key, layers, tensors, keep=written if drift else None)
+    return runner.graphs.run(key, layers, tensors)
 
 
 def _reuse_layers(model, cache, kernels: bool, metadata: AttentionMetadata, width: int, input_ids, positions,

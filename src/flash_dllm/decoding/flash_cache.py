@@ -20,8 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..cache.attention_metadata import device_tensor
-from .base import check, knob
+from .base import StepPlan, check, knob
 from .parallel import Parallel, ParallelSettings, ThresholdSettings
 
 if TYPE_CHECKING:
@@ -78,6 +77,7 @@ class FlashCache(Parallel):
     uses_cache = True
     published_block_length = 16
     demo_variants = None
+    replayable = True
 
     def validate(self, params: SamplingParams):
         window = params.settings.mask_window
@@ -88,19 +88,24 @@ class FlashCache(Parallel):
         return FlashCacheState(key_mass=torch.zeros(length, device=device),
                                decoded_at=torch.full((length,), -1, dtype=torch.long, device=device))
 
-    def draft(self, runner: ModelRunner, batch: DecodeBatch,
-              columns: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def plan(self, runner: ModelRunner, batch: DecodeBatch) -> StepPlan:
+        """The draft pass's query rows: every position at a row's first pass, then the budget."""
+        settings = batch.params.settings
+        budget = settings.mask_window + settings.tracking_budget
+        counts = tuple(row.length if row.is_first_pass else min(budget, row.length) for row in batch.rows)
+        batch.count_query_rows(counts)
+        return StepPlan(counts)
+
+    def draft(self, runner: ModelRunner, batch: DecodeBatch, columns: torch.Tensor,
+              plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the step's query rows through the cached forward. Returns fp32 logits [B, n, V] of the block
         columns (rows of the block that are not queries are decoded positions, whose logits are never used)
         and the query columns [B, Qmax] (ascending; the batch width where a row has fewer)."""
-        settings, device = batch.params.settings, batch.tokens.device
-        budget = settings.mask_window + settings.tracking_budget
-        counts = [row.length if row.is_first_pass else min(budget, row.length) for row in batch.rows]
-        batch.count_query_rows(counts)
+        device, counts = batch.tokens.device, list(plan.counts)
         width, lengths, max_q = batch.tokens.shape[1], batch.lengths, max(counts)
         shifted = runner.logit_sources if runner.logit_shift else None
         chosen = torch.topk(query_priority(batch, shifted), max_q, dim=1).indices          # [B, Qmax]
-        valid = torch.arange(max_q, device=device) < device_tensor(counts, device)[:, None]
+        valid = torch.arange(max_q, device=device) < runner.constant(counts)[:, None]
         chosen = torch.where(valid, chosen, width).sort(dim=1).values                      # ascending, invalid last
         p = runner.prepare(batch, counts, chosen, track=runner.logit_sources(batch.tokens == batch.mask_id))
         key_mass = torch.zeros(len(counts), p.metadata.max_kv, device=device)
@@ -113,11 +118,12 @@ class FlashCache(Parallel):
         in_range = torch.arange(max_kv, device=device) < lengths[:, None]
         mass = torch.zeros_like(batch.state.key_mass)
         mass.scatter_add_(1, kv_columns.clamp(max=width - 1), torch.where(in_range, key_mass, 0.0))
-        batch.state.key_mass = mass
+        batch.state.key_mass.copy_(mass)
         return runner.logits(hidden, p.flat_of_column, columns), chosen
 
-    def block_logits(self, runner: ModelRunner, batch: DecodeBatch, columns: torch.Tensor) -> torch.Tensor:
-        return self.draft(runner, batch, columns)[0]
+    def block_logits(self, runner: ModelRunner, batch: DecodeBatch, columns: torch.Tensor,
+                     plan: StepPlan) -> torch.Tensor:
+        return self.draft(runner, batch, columns, plan)[0]
 
     def note_transfer(self, batch: DecodeBatch, columns: torch.Tensor, transfer: torch.Tensor):
         decoded_at = batch.state.decoded_at

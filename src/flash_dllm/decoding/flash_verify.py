@@ -26,8 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..cache.attention_metadata import device_tensor
-from .base import check, knob
+from .base import StepPlan, check, knob
 from .flash_cache import FlashCache, SelectiveSettings
 from .sampling import sample_tokens
 from .transfer import confidence_ranks
@@ -79,12 +78,14 @@ class FlashVerify(FlashCache):
     name = "flash-verify"
     Settings = FlashVerifySettings
 
-    def transfer(self, runner: ModelRunner, batch: DecodeBatch, columns: torch.Tensor,
-                 offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    replayable = False  # the verify pass's shape is read back in the middle of the step
+
+    def transfer(self, runner: ModelRunner, batch: DecodeBatch, columns: torch.Tensor, offsets: torch.Tensor,
+                 plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft + verify iteration -> (candidate tokens [B, n], positions to unmask [B, n])."""
         tokens, mask_id = batch.tokens, batch.mask_id
         device, width = tokens.device, tokens.shape[1]
-        logits, draft_queries = self.draft(runner, batch, columns)
+        logits, draft_queries = self.draft(runner, batch, columns, plan)
         block = tokens.gather(1, columns)
         masked = block == mask_id
         drafts, confidence = sample_tokens(logits, batch.temperature, batch.seed, batch.counters.steps, offsets,
@@ -158,7 +159,7 @@ class FlashVerify(FlashCache):
         flat_index.scatter_(1, slot, torch.where(valid, valid.flatten().long().cumsum(0).view_as(valid) - 1, -1))
         logits = runner.logits_of(hidden, flat_index[:, num_slots - n:])             # [B, n] by rank
         probs = torch.softmax(logits.double(), dim=-1)
-        mask_choice = probs.index_fill(-1, device_tensor([batch.mask_id], device), -1.0).argmax(dim=-1)
+        mask_choice = probs.index_fill(-1, torch.full((1,), batch.mask_id, device=device), -1.0).argmax(dim=-1)
         draft_by_rank = drafts.gather(1, s_order)
         if settings.acceptance == "cumprod":
             ok = probs.gather(-1, draft_by_rank[..., None]).squeeze(-1).cumprod(dim=1) >= settings.verify_threshold

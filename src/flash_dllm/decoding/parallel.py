@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .base import Settings, check, knob
+from .base import Settings, StepPlan, check, knob
 from .block import BlockMethod
 from .transfer import transfer_factor, transfer_threshold
 
@@ -55,8 +55,8 @@ class Parallel(BlockMethod):
     handles_logit_shift = True  # full forwards: the runner's full_logits applies the shift
     demo_variants = {"parallel": {}, "parallel-factor": {"factor": 1.0}}
 
-    def block_logits(self, runner: ModelRunner, batch: DecodeBatch, columns: torch.Tensor) -> torch.Tensor:
-        batch.count_query_rows([row.length for row in batch.rows])
+    def block_logits(self, runner: ModelRunner, batch: DecodeBatch, columns: torch.Tensor,
+                     plan: StepPlan) -> torch.Tensor:
         return runner.full_logits(batch.tokens, batch.positions, batch.attention_mask, columns)
 
     def unmask(self, batch: DecodeBatch, confidence: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:

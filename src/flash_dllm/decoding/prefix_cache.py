@@ -8,8 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..cache.attention_metadata import device_tensor
-from .base import check, knob
+from .base import StepPlan, check, knob
 from .parallel import Parallel, ParallelSettings
 
 if TYPE_CHECKING:
@@ -37,31 +36,32 @@ class PrefixCache(Parallel):
     uses_cache = True
     demo_variants = None
 
-    def reused_range(self, row: RowState, block_start: int, block_length: int) -> tuple[int, int]:
-        """First position and number of query rows of a step that reuses the cache."""
-        return block_start, row.length - block_start
+    replayable = True
 
-    def query_ranges(self, batch: DecodeBatch, shift: int = 0) -> tuple[list[int], list[int], list[int]]:
-        """Per row: first query position, number of query rows (a refresh step: all of them) and how many of
-        the first rows only give hidden states (`shift` before a reused range: the columns whose hidden states
-        give a shifted architecture's logits of the block; they are read from the cache, not written)."""
-        params = batch.params
+    def reused_rows(self, row: RowState, block_start: int, block_length: int) -> int:
+        """Query rows of a step that reuses the cache: from the block start to the end."""
+        return row.length - block_start
+
+    def plan(self, runner: ModelRunner, batch: DecodeBatch) -> StepPlan:
+        """Per row: a refresh (every position) or a reuse of the cache, and its query rows. A reuse step also
+        recomputes the logit_shift columns before the block (the columns whose hidden states give a shifted
+        architecture's logits of the block), whose K/V it reads from the cache and does not write.
+        plan.extra: the rows that refresh."""
+        params, shift = batch.params, runner.logit_shift
         interval = params.settings.refresh_interval
-        ranges = []
+        counts, refresh = [], []
         for row in batch.rows:
             block_start = row.prompt_length + row.block_index * params.block_length
-            if row.step_in_block == 0 or (interval is not None and row.step_in_block % interval == 0):
-                ranges.append((0, row.length, 0))
-            else:
-                start, count = self.reused_range(row, block_start, params.block_length)
-                ranges.append((start - shift, count + shift, shift))
-        starts, counts, kept = zip(*ranges)
-        return list(starts), list(counts), list(kept)
-
-    def block_logits(self, runner: ModelRunner, batch: DecodeBatch, columns: torch.Tensor) -> torch.Tensor:
-        starts, counts, kept = self.query_ranges(batch, runner.logit_shift)
+            refresh.append(row.step_in_block == 0 or (interval is not None and row.step_in_block % interval == 0))
+            counts.append(row.length if refresh[-1] else self.reused_rows(row, block_start, params.block_length) + shift)
         batch.count_query_rows(counts)
-        first = batch.tokens.shape[1] - batch.lengths + device_tensor(starts, batch.tokens.device)
-        query_columns = first[:, None] + torch.arange(max(counts), device=first.device)
-        p = runner.prepare(batch, counts, query_columns, kept=kept)
+        return StepPlan(tuple(counts), tuple(refresh))
+
+    def block_logits(self, runner: ModelRunner, batch: DecodeBatch, columns: torch.Tensor,
+                     plan: StepPlan) -> torch.Tensor:
+        shift, width, refresh = runner.logit_shift, batch.tokens.shape[1], plan.extra
+        reused_start = batch.gen_start + batch.counters.block_index * batch.params.block_length - shift
+        first = torch.where(runner.constant(list(refresh)).bool(), width - batch.lengths, reused_start)
+        query_columns = first[:, None] + torch.arange(max(plan.counts), device=first.device)
+        p = runner.prepare(batch, list(plan.counts), query_columns, kept=[0 if r else shift for r in refresh])
         return runner.logits(runner.run(p), p.flat_of_column, columns)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .base import Settings, check, knob
+from .base import Settings, StepPlan, check, knob
 from .block import BlockMethod
 from .sampling import REMASK_STREAM, counter_uniform
 from .transfer import linear_schedule, transfer_top_k
@@ -52,10 +52,10 @@ class Reference(BlockMethod):
     def passes_per_step(self, batch: DecodeBatch) -> int:
         return 2 if batch.params.settings.cfg_scale > 0 else 1
 
-    def block_logits(self, runner: ModelRunner, batch: DecodeBatch, columns: torch.Tensor) -> torch.Tensor:
+    def block_logits(self, runner: ModelRunner, batch: DecodeBatch, columns: torch.Tensor,
+                     plan: StepPlan) -> torch.Tensor:
         tokens, attention_mask, positions = batch.tokens, batch.attention_mask, batch.positions
         guidance = batch.params.settings.cfg_scale
-        batch.count_query_rows([row.length * self.passes_per_step(batch) for row in batch.rows])
         if guidance > 0:  # the unconditional copy has its prompt replaced by masks
             is_prompt = attention_mask & (torch.arange(tokens.shape[1], device=tokens.device) < batch.gen_start)
             tokens = torch.cat([tokens, tokens.masked_fill(is_prompt, batch.mask_id)])

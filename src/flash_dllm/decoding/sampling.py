@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import torch
 
-from ..cache.attention_metadata import device_tensor
 
 _MASK64 = (1 << 64) - 1
 
@@ -74,7 +73,7 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, seed: torch.T
     if sample:
         scores = logits + temperature.double()[:, None, None] * gumbel_noise(seed, step, column, NOISE_STREAM,
                                                                              logits.shape[-1])
-    scores = scores.index_fill(-1, device_tensor([mask_id], scores.device), float("-inf"))
+    scores = scores.index_fill(-1, torch.full((1,), mask_id, device=scores.device), float("-inf"))
     tokens = scores.argmax(dim=-1)
     confidence = torch.softmax(logits, dim=-1).gather(-1, tokens[..., None]).squeeze(-1)
     return tokens, confidence

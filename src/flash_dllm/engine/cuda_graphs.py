@@ -1,16 +1,20 @@
-"""CUDA graphs for the cached passes.
+"""CUDA graphs for the decoding steps and the cached passes.
 
-A cached pass launches about fifteen kernels per layer; at small batches the GPU runs each faster than
-Python launches the next, so a step costs its launch time, not its GPU time. A pass whose shapes repeat
-(Flash-Cache's fixed query budget, a dual-cache block step, Flash-Verify's draft pass) is captured once and
-then replayed: its inputs are copied into the graph's static tensors, the graph replays every kernel in one
-launch, and the output is copied out. A capture costs about two passes, so a shape is captured only once
-it has been seen CAPTURE_AFTER times: one-off shapes (a request's first full pass) stay eager. A pass that
-does not write the cache (Flash-Verify's verify pass, whose row count changes every iteration) is replayed
-padded to a bucket of rows, so that its shapes repeat. Only the kernel path can be captured: the PyTorch
-references index with boolean masks, which synchronise with the host. `GraphedCalls` is the policy for any
-call of tensors (Elastic-Cache's reuse pass, with its drift test, is one); `CudaGraphs` applies it to the
-runner's cached forward.
+At small batches a step costs its launch time, not its GPU time: a cached pass launches about fifteen kernels
+per layer and the step around it (the query choice, sampling, unmasking, the engine's finish test) about 150
+more, and the GPU runs each faster than Python launches the next. What repeats is captured once and then
+replayed in one launch:
+- a whole step, for a method whose step is a function of the batch's tensors given its plan (the row counts
+  of its passes): the engine replays it while the batch and the plan repeat (Flash-Cache's steady steps, the
+  steps of dual-cache's blocks). It reads and writes the batch's tensors where they are.
+- a cached pass, for the other methods (Flash-Verify's draft pass) and for Elastic-Cache's reuse pass: its
+  inputs are copied into the graph's static tensors and its output copied out. A pass that does not write the
+  cache (Flash-Verify's verify pass, whose row count changes every iteration) is replayed padded to a bucket of
+  rows, so that its shapes repeat.
+A capture costs about two calls, so a key is captured only once it has been seen CAPTURE_AFTER times: one-off
+shapes (a request's first full pass) stay eager. Only the kernel path can be captured: the PyTorch references
+index with boolean masks, which synchronise with the host. `GraphedCalls` is the policy for any call of
+tensors; `CudaGraphs` applies it to the runner's cached forward.
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ from collections import OrderedDict
 import torch
 import torch.nn.functional as F
 
-from ..cache.attention_metadata import AttentionMetadata
+from ..cache.attention_metadata import AttentionMetadata, device_tensor
 
 CAPTURE_AFTER = 3  # eager sightings of a shape before it is captured
 # Beyond this many query rows a pass is GPU-bound (its launches overlap its kernels), and a capture would
@@ -65,20 +69,16 @@ class _CapturedCall:
     """One captured call: the static tensors it reads (its inputs, copied in before each replay), its outputs
     and its graph."""
 
-    def __init__(self, fn, tensors: tuple[torch.Tensor, ...], pool, stream, keep=None):
+    def __init__(self, fn, tensors: tuple[torch.Tensor, ...], pool, stream):
         self.inputs = tuple(t.clone() for t in tensors)
-        # Warm up before capturing (cuBLAS workspaces, lazily built tensors). A call that writes the cache writes
-        # the same rows with the same values as the call itself will; one that also reads what it writes (the
-        # drift test reads the rows as cached before it rewrites them) names them in `keep`, and they are put
-        # back after the warm-up, so that the first replay reads what an eager call would have.
-        # (torch.cuda.graph() would also run gc.collect() and empty the allocator's cache at every capture.)
-        stream.wait_stream(torch.cuda.current_stream())
         self.graph = torch.cuda.CUDAGraph()
+        stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            saved = [(buffer, rows, buffer[rows].clone()) for buffer, rows in (keep() if keep else [])]
-            fn(*self.inputs)
-            for buffer, rows, values in saved:
-                buffer[rows] = values
+            # The call itself runs first, eagerly (it also warms up cuBLAS workspaces and lazily built tensors);
+            # the capture that follows records its kernels without running them, so state that the call reads
+            # and then rewrites (the cache, a step's tokens) is advanced once.
+            # (torch.cuda.graph() would also run gc.collect() and empty the allocator's cache at every capture.)
+            self.first_outputs = fn(*self.inputs)
             self.graph.capture_begin(pool=pool)
             try:
                 self.outputs = fn(*self.inputs)
@@ -98,19 +98,30 @@ class GraphedCalls:
     """Calls `fn(*tensors) -> tuple of tensors` replayed from CUDA graphs, one per key (the caller's: every
     shape and host value the call depends on). A key is captured once it has been seen CAPTURE_AFTER times (a
     capture costs about two calls, so one-off shapes stay eager); at most `max_graphs` are kept, the least
-    recently used dropped first. All graphs share one memory pool: they never run at the same time."""
+    recently used dropped first. All graphs share one memory pool: they never run at the same time.
 
-    def __init__(self, max_graphs: int = 16):
-        self.max_graphs = max_graphs
+    A call made while another is being captured (a step's forward pass, inside the step's graph) runs eagerly
+    into that capture. `constant` keeps the short host lists a call uploads (row counts) on the device, so that
+    a capture, which cannot copy from the host, finds them there (the call's eager runs uploaded them); a graph
+    holds the ones it reads."""
+
+    MAX_CONSTANTS = 1024
+
+    def __init__(self, device: torch.device, max_graphs: int = 16):
+        self.device, self.max_graphs = device, max_graphs
         self.graphs: OrderedDict[tuple, _CapturedCall] = OrderedDict()
         self.sightings: dict[tuple, int] = {}  # eager runs of each key not captured
+        self.constants: OrderedDict[tuple[int, ...], torch.Tensor] = OrderedDict()  # least recently used first
+        self.read_by_capture: list[torch.Tensor] | None = None  # None: no capture under way
         self.pool = None
         self.stream = None  # captures run off the default stream, on this one (made at the first)
         self.captures = self.replays = 0
 
-    def run(self, key: tuple, fn, tensors: tuple[torch.Tensor, ...], keep=None) -> tuple[torch.Tensor, ...]:
-        """fn(*tensors), eagerly or replayed. keep() -> [(buffer, rows)]: state that fn reads before it writes
-        it, restored after the warm-up run that precedes a capture."""
+    def run(self, key: tuple, fn, tensors: tuple[torch.Tensor, ...] = ()) -> tuple[torch.Tensor, ...]:
+        """fn(*tensors), eagerly or replayed. fn may read and write other device tensors in place (the cache, a
+        batch's state) as long as they outlive the key."""
+        if self.read_by_capture is not None:  # called by a call being captured: run into its capture
+            return fn(*tensors)
         captured = self.graphs.get(key)
         if captured is None:
             if self.sightings.get(key, 0) < CAPTURE_AFTER:
@@ -119,19 +130,40 @@ class GraphedCalls:
                 self.sightings[key] = self.sightings.get(key, 0) + 1
                 return fn(*tensors)
             del self.sightings[key]
-            captured = self.graphs[key] = self._capture(fn, tensors, keep)
+            captured = self.graphs[key] = self._capture(fn, tensors)
             self.captures += 1
             if len(self.graphs) > self.max_graphs:
                 self.graphs.popitem(last=False)
+            outputs, captured.first_outputs = captured.first_outputs, None
+            return outputs
         self.graphs.move_to_end(key)
         self.replays += 1
         return captured.replay(tensors)
 
-    def _capture(self, fn, tensors, keep=None) -> _CapturedCall:
-        self.stream = self.stream or torch.cuda.Stream(tensors[0].device)
-        captured = _CapturedCall(fn, tensors, self.pool, self.stream, keep)
+    def _capture(self, fn, tensors: tuple[torch.Tensor, ...]) -> _CapturedCall:
+        self.stream = self.stream or torch.cuda.Stream(self.device)
+        self.read_by_capture = []
+        try:
+            captured = _CapturedCall(fn, tensors, self.pool, self.stream)
+        finally:
+            constants, self.read_by_capture = self.read_by_capture, None
+        captured.constants = constants  # kept alive while the graph may replay
         self.pool = captured.graph.pool()
         return captured
+
+    def constant(self, values: list[int]) -> torch.Tensor:
+        """values on the device, uploaded once and kept for the MAX_CONSTANTS most recently used lists
+        (read-only: graphs read them where they are)."""
+        key = tuple(values)
+        uploaded = self.constants.get(key)
+        if uploaded is None:
+            uploaded = self.constants[key] = device_tensor(values, self.device)
+            if len(self.constants) > self.MAX_CONSTANTS:
+                self.constants.popitem(last=False)
+        self.constants.move_to_end(key)
+        if self.read_by_capture is not None:
+            self.read_by_capture.append(uploaded)
+        return uploaded
 
 
 class CudaGraphs(GraphedCalls):
@@ -139,8 +171,8 @@ class CudaGraphs(GraphedCalls):
     cache, replayed from CUDA graphs for shapes that repeat; other calls (Elastic-Cache's reuse pass) share its
     graphs' pool and budget through `GraphedCalls.run`."""
 
-    def __init__(self, forward, max_graphs: int = 16):
-        super().__init__(max_graphs)
+    def __init__(self, forward, device: torch.device, max_graphs: int = 16):
+        super().__init__(device, max_graphs)
         self.forward = forward
 
     def run_pass(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,

@@ -30,6 +30,7 @@ class LLMEngine:
         self.scheduler = Scheduler(max_batch_size)
         self.running: list[Sequence] = []  # the batch's sequences, row by row
         self.batch: DecodeBatch | None = None
+        self.batch_number = 0  # counts rebuilds: a step graph replays only over the batch it was captured on
         self.allocator: CacheAllocator | None = None
         self.stop_ids = torch.tensor(special.stop_ids, device=self.device)
         self._request_ids = itertools.count()
@@ -89,12 +90,27 @@ class LLMEngine:
 
     @torch.inference_mode()
     def step(self) -> list[Sequence]:
-        """Run one iteration over the running batch; return the sequences that finished in it."""
+        """Run one iteration over the running batch; return the sequences that finished in it. A method whose
+        step is replayable runs it, with the finish test, from a CUDA graph while the batch and its plan repeat
+        (the graph reads and writes the batch's tensors where they are; a new batch gets new graphs)."""
         self._refresh_batch()
         if self.batch is None:
             return []
-        method_of(self.batch.params.method).step(self.runner, self.batch)
-        return self._collect_finished()
+        method, runner, batch = method_of(self.batch.params.method), self.runner, self.batch
+        if method.replayable and runner.graphs is not None:
+            plan = method.plan(runner, batch)
+            if runner.uses_graphs(plan.rows):
+                def whole_step():
+                    method.run(runner, batch, plan)
+                    return self._finish_state()
+                finish = runner.graphs.run(("step", self.batch_number, method.name, plan), whole_step)
+            else:
+                method.run(runner, batch, plan)
+                finish = self._finish_state()
+        else:
+            method.step(runner, batch)
+            finish = self._finish_state()
+        return self._collect_finished(*finish)
 
     def _refresh_batch(self):
         """Drop the rows that finished last step and admit waiting requests; rebuild only on a change."""
@@ -114,11 +130,14 @@ class LLMEngine:
             seq.status = SequenceStatus.RUNNING
             seq.start_time = time.perf_counter()
         self.running = running + admitted
+        self.batch_number += 1
         self.batch = (DecodeBatch.build([seq.row for seq in self.running], self.special.mask_id, self.stop_ids,
                                         self.special.pad_id) if self.running else None)
 
-    def _collect_finished(self) -> list[Sequence]:
-        """A row is finished when every position up to its first eos/eot is decoded, or all are."""
+    def _finish_state(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """On the device, after a step: [4 or 5, B] (finished, block index, step in block, final length, and the
+        next query rows where the method sets them) and each row's first eos/eot [B]. A row is finished when
+        every position up to its first eos/eot is decoded, or all are."""
         batch, counters = self.batch, self.batch.counters
         generated = batch.tokens[:, batch.gen_start:]
         length = generated.shape[1]
@@ -129,7 +148,13 @@ class LLMEngine:
         host = [finished.long(), counters.block_index, counters.step_in_block, torch.minimum(first_stop, first_mask)]
         if batch.next_query_rows is not None:
             host.append(batch.next_query_rows)
-        state = torch.stack(host).tolist()  # the one sync
+        return torch.stack(host), first_stop
+
+    def _collect_finished(self, finish_state: torch.Tensor, first_stop: torch.Tensor) -> list[Sequence]:
+        batch, counters = self.batch, self.batch.counters
+        generated = batch.tokens[:, batch.gen_start:]
+        length = generated.shape[1]
+        state = finish_state.tolist()  # the one sync
         for seq, row, block_index, step_in_block, final in zip(self.running, batch.rows, *state[1:4]):
             row.block_index, row.step_in_block = block_index, step_in_block
             seq.final_length = final

@@ -94,7 +94,7 @@ class ModelRunner:
         if self.kernels and self.device.type == "cuda":
             compile_kernels(self.model, self.cache)
         if self.cuda_graphs:
-            self.graphs = CudaGraphs(self._forward_cached)
+            self.graphs = CudaGraphs(self._forward_cached, self.device)
         return self.cache
 
     # Full passes: every position of every row.
@@ -139,11 +139,11 @@ class ModelRunner:
         positions) but their K/V go to the cache's scratch row, so the cache keeps what it holds there (the
         left neighbours that a shifted architecture's logits need, recomputed for their hidden states only)."""
         device, width = batch.tokens.device, batch.tokens.shape[1]
-        rows = FlatRows.from_counts(counts, device)
+        rows = FlatRows.from_counts(counts, device, self.constant)
         if order is None:
             request, kv_start, kv_len, max_kv = rows.request, batch.cache_base, batch.lengths, batch.max_length
         else:
-            order_t = device_tensor(order, device)
+            order_t = self.constant(order)
             request, kv_start, kv_len = order_t[rows.request], batch.cache_base[order_t], batch.lengths[order_t]
             max_kv = max(batch.rows[b].length for b in order)
         column = columns[rows.request, rows.rank]
@@ -158,10 +158,16 @@ class ModelRunner:
         metadata = AttentionMetadata.build(rows, kv_start, kv_len, positions, max_kv, ordered=self.batch_invariant,
                                            **options)
         if kept is not None and any(kept):
-            unwritten = rows.rank < device_tensor(kept, device)[rows.request]
+            unwritten = rows.rank < self.constant(kept)[rows.request]
             metadata.slot_mapping = metadata.slot_mapping.masked_fill(unwritten, self.cache.scratch_row)
         ids = batch.tokens[request, column] if input_ids is None else input_ids[rows.request, rows.rank]
         return CachedPass(rows, request, column, ids, positions, metadata, tuple(batch.tokens.shape))
+
+    def constant(self, values: list[int]) -> torch.Tensor:
+        """A short host list of ints (row counts) on the device, read-only. With CUDA graphs it is uploaded once
+        and kept there: a step whose counts repeat uploads nothing, and a capture (which cannot copy from the
+        host) finds it."""
+        return self.graphs.constant(values) if self.graphs is not None else device_tensor(values, self.device)
 
     def run(self, p: CachedPass, key_mass: torch.Tensor | None = None) -> torch.Tensor:
         """The pass's final-normed hidden states [N, d]; with key_mass [G, max_kv], the attention mass of the
