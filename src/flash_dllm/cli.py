@@ -475,7 +475,8 @@ def build_parser() -> argparse.ArgumentParser:
     step.add_argument("--block-length", type=int,
                       help="every method's block length (default: each method's published setting: "
                            + ", ".join(f"{m.name} {m.published_block_length}" for m in METHODS.values()) + ")")
-    step.add_argument("--warmup", type=int, default=4, help="untimed iterations first")
+    step.add_argument("--warmup", type=int, default=8, help="untimed iterations first (the first pass, then the "
+                                                               "sightings and capture of the steady step's CUDA graph)")
     step.add_argument("--iters", type=int, default=64,
                       help="timed iterations; a multiple of the block lengths times each cache refresh at its rate")
     step.set_defaults(func=cmd_bench)

@@ -59,7 +59,7 @@ class StepResult:
         return self.batch * tokens_per_iter / (self.ms_per_iter * 1e-3)
 
 
-def bench_step(llm, params: SamplingParams, batch: int, prompt_length: int, warmup: int = 4,
+def bench_step(llm, params: SamplingParams, batch: int, prompt_length: int, warmup: int = 8,
                iters: int = 64, seed: int = 0) -> StepResult:
     """Steady-state time per iteration: `iters` consecutive engine steps after `warmup` steps, timed as one
     span with a synchronisation at each end (each step already syncs once to retire finished rows). With one
