@@ -119,7 +119,8 @@ def test_bench_generate_on_cpu(capsys):
         ("elastic", "1", "-"), ("elastic", "3", "-")]
     for r in rows:
         assert r["iterations"] == "16" and r["tokens/step"] == "1.00" and int(r["tokens"]) == 16 * int(r["batch"])
-        assert float(r["ms/iter"]) == pytest.approx(float(r["wall s"]) * 1e3 / 16, abs=0.005e3 / 16)  # 2 decimals
+        # both printed with 2 decimals: wall s to within 5 ms (over 16 iterations), ms/iter to within 0.005
+        assert float(r["ms/iter"]) == pytest.approx(float(r["wall s"]) * 1e3 / 16, abs=0.005e3 / 16 + 0.006)
         assert float(r["NFE/request"]) == (32.0 if r["method"] == "flash-verify" else 16.0)  # draft + verify
 
 
