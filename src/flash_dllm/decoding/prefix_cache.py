@@ -53,7 +53,8 @@ class PrefixCache(Parallel):
         for row in batch.rows:
             block_start = row.prompt_length + row.block_index * params.block_length
             refresh.append(row.step_in_block == 0 or (interval is not None and row.step_in_block % interval == 0))
-            counts.append(row.length if refresh[-1] else self.reused_rows(row, block_start, params.block_length) + shift)
+            reused = self.reused_rows(row, block_start, params.block_length) + shift
+            counts.append(row.length if refresh[-1] else reused)
         batch.count_query_rows(counts)
         return StepPlan(tuple(counts), tuple(refresh))
 
