@@ -1,0 +1,111 @@
+"""Regions of a prompt's keys, and the routing that picks the ones a step reads (issue 17's first pieces).
+
+A long prompt's KV dominates what a denoising step reads. Its keys, per layer and KV head, are grouped into
+regions, each summarised by a centroid; a step scores the centroids with its queries and opens only the best
+regions, plus the attention sinks (the prompt's first tokens) and a recent window (its last). Two groupings:
+    chunk   contiguous runs of `size` positions: centroid = the mean key, with per-dimension bounds (an upper
+            bound of any key's score in the chunk, as Quest scores pages);
+    kmeans  spherical k-means of the mean-centred keys, about `size` keys a cluster, started from the farthest
+            directions and run a few iterations; its centroid is the mean raw key of the cluster.
+Each grouping also gives the positions in region order (`order`, with `starts`): a kernel that reads a region
+reads one contiguous range of it. Everything here is plain PyTorch on the device (no host reads); the
+attention that reads only the chosen regions is the next piece.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class Regions:
+    """A prompt's keys grouped into R regions for each of G groups (layer x KV head, flattened)."""
+
+    centroids: torch.Tensor     # [G, R, D] fp32: the mean key of each region
+    lower: torch.Tensor | None  # [G, R, D] fp32: per-dimension bounds of its keys (chunk regions)
+    upper: torch.Tensor | None
+    order: torch.Tensor         # [G, P] long: the positions, region after region
+    starts: torch.Tensor        # [G, R + 1] long: region r is order[g, starts[g, r]:starts[g, r + 1]]
+
+    @property
+    def sizes(self) -> torch.Tensor:
+        return self.starts.diff(dim=-1)
+
+
+def chunk_regions(keys: torch.Tensor, size: int) -> Regions:
+    """keys [G, P, D] -> contiguous chunks of `size` positions (the last may be shorter)."""
+    G, P, D = keys.shape
+    R = -(-P // size)
+    padded = F.pad(keys.float(), (0, 0, 0, R * size - P)).view(G, R, size, D)
+    valid = (torch.arange(R * size, device=keys.device) < P).view(1, R, size, 1)
+    count = valid.sum(dim=2).clamp(min=1)
+    centroids = padded.sum(dim=2) / count
+    lower = torch.where(valid, padded, float("inf")).amin(dim=2)
+    upper = torch.where(valid, padded, float("-inf")).amax(dim=2)
+    starts = (torch.arange(R + 1, device=keys.device) * size).clamp(max=P).expand(G, R + 1).contiguous()
+    return Regions(centroids, lower, upper, torch.arange(P, device=keys.device).expand(G, P).contiguous(), starts)
+
+
+def farthest_directions(directions: torch.Tensor, count: int) -> torch.Tensor:
+    """directions [G, P, D] (unit rows) -> [G, count, D]: the first row, then each time the row least similar to
+    those taken (a deterministic k-means++). count sequential steps: the first version's cost at long prompts."""
+    G, P, D = directions.shape
+    taken = directions[:, :1]
+    nearest = (directions @ taken.transpose(1, 2))[..., 0]                                 # [G, P]
+    for _ in range(1, count):
+        pick = directions.gather(1, nearest.argmin(dim=1)[:, None, None].expand(G, 1, D))
+        taken = torch.cat([taken, pick], dim=1)
+        nearest = torch.maximum(nearest, (directions @ pick.transpose(1, 2))[..., 0])
+    return taken
+
+
+def kmeans_regions(keys: torch.Tensor, size: int, iterations: int = 4) -> Regions:
+    """keys [G, P, D] -> about P / size clusters per group by spherical k-means on the mean-centred keys (cosine
+    assignment), started from the farthest directions, so that the result is deterministic. A cluster that
+    empties keeps its previous direction (and is an empty region)."""
+    G, P, D = keys.shape
+    R = -(-P // size)
+    keys32 = keys.float()
+    directions = F.normalize(keys32 - keys32.mean(dim=1, keepdim=True), dim=-1)            # [G, P, D]
+    centres = farthest_directions(directions, R)                                           # [G, R, D]
+    for _ in range(iterations):
+        assign = (directions @ centres.transpose(1, 2)).argmax(dim=-1)                     # [G, P]
+        sums = torch.zeros(G, R, D, device=keys.device).scatter_add_(1, assign[..., None].expand(G, P, D),
+                                                                    directions)
+        centres = torch.where(sums.norm(dim=-1, keepdim=True) > 0, F.normalize(sums, dim=-1), centres)
+    assign = (directions @ centres.transpose(1, 2)).argmax(dim=-1)
+    counts = torch.zeros(G, R, dtype=torch.long, device=keys.device).scatter_add_(1, assign, torch.ones_like(assign))
+    raw_sums = torch.zeros(G, R, D, device=keys.device).scatter_add_(1, assign[..., None].expand(G, P, D), keys32)
+    centroids = raw_sums / counts.clamp(min=1)[..., None]
+    order = torch.sort(assign, dim=1, stable=True).indices                                 # by cluster, then position
+    starts = F.pad(counts.cumsum(dim=1), (1, 0))
+    return Regions(centroids, None, None, order, starts)
+
+
+def region_scores(regions: Regions, queries: torch.Tensor, group: int) -> torch.Tensor:
+    """queries [T, G * group, D] (a step's query rows of one request; `group` query heads per KV head) ->
+    [G, R]: how much each region may matter to the step, shared by all its rows: the largest over rows and
+    heads of the centroid score, or with bounds the upper bound of any key's score (empty regions: -inf)."""
+    T, H, D = queries.shape
+    q = queries.float().view(T, H // group, group, D).permute(1, 0, 2, 3).reshape(H // group, T * group, D)
+    if regions.upper is not None:  # sum over d of max(q_d * lower_d, q_d * upper_d), as two products
+        scores = q.clamp(min=0) @ regions.upper.transpose(1, 2) + q.clamp(max=0) @ regions.lower.transpose(1, 2)
+    else:
+        scores = q @ regions.centroids.transpose(1, 2)
+    return scores.amax(dim=1).masked_fill(regions.sizes == 0, float("-inf"))
+
+
+def routed_keys(regions: Regions, scores: torch.Tensor, top_k: int, sinks: int, window: int) -> torch.Tensor:
+    """[G, P] bool: the positions a step reads: the top_k regions by score (a fixed count), the first `sinks`
+    and the last `window` positions."""
+    G, P = regions.order.shape
+    top = scores.topk(min(top_k, scores.shape[1])).indices
+    chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, top, True) & (scores > float("-inf"))
+    slots = torch.arange(P, device=scores.device).expand(G, P).contiguous()
+    region_of = torch.searchsorted(regions.starts[:, 1:].contiguous(), slots, right=True)  # region of each slot
+    visible = torch.zeros(G, P, dtype=torch.bool, device=scores.device)
+    visible.scatter_(1, regions.order, chosen.gather(1, region_of.clamp(max=scores.shape[1] - 1)))
+    positions = torch.arange(P, device=scores.device)
+    return visible | (positions < sinks) | (positions >= P - window)
