@@ -6,8 +6,8 @@ prompt keys a step would read at an equal budget (a fraction of the prompt, sink
 for the region policies), and the recall is the share of the rows' prompt attention that falls on the picked
 keys (mean over layers, heads and rows). Also the share of the attention on the pass key's own tokens (both
 occurrences in the needle) that is kept.
-Policies: centroid (k-means regions), chunk (chunks scored by their bounds), window (the last keys), random
-(random chunks).
+Policies: centroid (k-means regions scored by their mean key), kmeans-bound (the same regions scored by their
+per-dimension bounds), chunk (chunks scored by their bounds), window (the last keys), random (random chunks).
 
     PYTHONPATH=src python benchmarks/routing_recall.py --lengths 1024 1900 --items 40 --budgets 0.125 0.0625
 """
@@ -31,13 +31,14 @@ def picked(policy: str, keys: torch.Tensor, queries: torch.Tensor, budget: float
     count = max(1, round(budget * P))
     if policy == "window":
         return (torch.arange(P) >= P - count).expand(Hkv, P)
-    regions = kmeans_regions(keys, SIZE) if policy == "centroid" else chunk_regions(keys, SIZE)
+    regions = kmeans_regions(keys, SIZE) if policy in ("centroid", "kmeans-bound") else chunk_regions(keys, SIZE)
     top_k = max(1, (count - SINKS - WINDOW) // SIZE)
     if policy == "random":
         g = torch.Generator().manual_seed(seed)
         scores = torch.rand(Hkv, regions.sizes.shape[1], generator=g)
         return routed_keys(regions, scores, top_k, SINKS, WINDOW)
-    return routed_keys(regions, region_scores(regions, queries, group), top_k, SINKS, WINDOW)
+    scores = region_scores(regions, queries, group, bounds=policy != "centroid")
+    return routed_keys(regions, scores, top_k, SINKS, WINDOW)
 
 
 @torch.inference_mode()
@@ -50,7 +51,7 @@ def main():
     llm = LLM(device="cpu", dtype="float32")
     model, cfg = llm.model, llm.config
     group = cfg.num_heads // cfg.num_kv_heads
-    policies = ["centroid", "chunk", "window", "random"]
+    policies = ["centroid", "kmeans-bound", "chunk", "window", "random"]
     print("| prompt tokens | budget | " + " | ".join(f"{p} recall | {p} key digits" for p in policies) + " |")
     print("|---|---|" + "---|---|" * len(policies))
     for length in args.lengths:

@@ -51,13 +51,13 @@ def test_kmeans_finds_the_clusters_and_lays_them_out_contiguously():
     assert torch.equal(again.order, regions.order) and torch.equal(again.centroids, regions.centroids)
 
 
-@pytest.mark.parametrize("grouping", ["chunk", "kmeans"])
-def test_routing_opens_the_region_a_query_points_at_plus_sinks_and_window(grouping):
+@pytest.mark.parametrize("grouping, bounds", [("chunk", True), ("kmeans", True), ("kmeans", False)])
+def test_routing_opens_the_region_a_query_points_at_plus_sinks_and_window(grouping, bounds):
     keys, label = clustered_keys(groups=1, positions=128, clusters=4)
     regions = chunk_regions(keys, 16) if grouping == "chunk" else kmeans_regions(keys, 32)
     target = label[0, 70]
     query = keys[0, 70][None, None]  # one row, one head: it points at its own cluster
-    scores = region_scores(regions, query, group=1)
+    scores = region_scores(regions, query, group=1, bounds=bounds)
     visible = routed_keys(regions, scores, top_k=1, sinks=2, window=4)[0]
     assert visible[:2].all() and visible[-4:].all()
     routed = visible.clone()
@@ -78,6 +78,9 @@ def test_routing_scores_are_shared_by_rows_and_group_heads():
     assert scores.shape == (2, 4)
     single = torch.stack([region_scores(regions, queries[t:t + 1], group=2) for t in range(5)]).amax(dim=0)
     torch.testing.assert_close(scores, single)
+    by_centroid = region_scores(regions, queries, group=2, bounds=False)
+    expected = (queries[:, :2] @ regions.centroids[0].T).amax(dim=(0, 1))  # KV head 0 serves query heads 0, 1
+    torch.testing.assert_close(by_centroid[0], expected)
 
 
 def test_bounds_are_upper_bounds_of_every_key_score():

@@ -6,7 +6,9 @@ regions, plus the attention sinks (the prompt's first tokens) and a recent windo
     chunk   contiguous runs of `size` positions: centroid = the mean key, with per-dimension bounds (an upper
             bound of any key's score in the chunk, as Quest scores pages);
     kmeans  spherical k-means of the mean-centred keys, about `size` keys a cluster, started from the farthest
-            directions and run a few iterations; its centroid is the mean raw key of the cluster.
+            directions and run a few iterations; its centroid is the mean raw key of the cluster, with the
+            cluster's bounds.
+A region is scored by its centroid or by its bounds.
 Each grouping also gives the positions in region order (`order`, with `starts`): a kernel that reads a region
 reads one contiguous range of it. Everything here is plain PyTorch on the device (no host reads); the
 attention that reads only the chosen regions is the next piece.
@@ -24,8 +26,8 @@ class Regions:
     """A prompt's keys grouped into R regions for each of G groups (layer x KV head, flattened)."""
 
     centroids: torch.Tensor     # [G, R, D] fp32: the mean key of each region
-    lower: torch.Tensor | None  # [G, R, D] fp32: per-dimension bounds of its keys (chunk regions)
-    upper: torch.Tensor | None
+    lower: torch.Tensor         # [G, R, D] fp32: per-dimension bounds of its keys (+-inf: an empty region)
+    upper: torch.Tensor
     order: torch.Tensor         # [G, P] long: the positions, region after region
     starts: torch.Tensor        # [G, R + 1] long: region r is order[g, starts[g, r]:starts[g, r + 1]]
 
@@ -79,18 +81,22 @@ def kmeans_regions(keys: torch.Tensor, size: int, iterations: int = 4) -> Region
     counts = torch.zeros(G, R, dtype=torch.long, device=keys.device).scatter_add_(1, assign, torch.ones_like(assign))
     raw_sums = torch.zeros(G, R, D, device=keys.device).scatter_add_(1, assign[..., None].expand(G, P, D), keys32)
     centroids = raw_sums / counts.clamp(min=1)[..., None]
+    index = assign[..., None].expand(G, P, D)
+    lower = torch.full((G, R, D), float("inf"), device=keys.device).scatter_reduce_(1, index, keys32, "amin")
+    upper = torch.full((G, R, D), float("-inf"), device=keys.device).scatter_reduce_(1, index, keys32, "amax")
     order = torch.sort(assign, dim=1, stable=True).indices                                 # by cluster, then position
     starts = F.pad(counts.cumsum(dim=1), (1, 0))
-    return Regions(centroids, None, None, order, starts)
+    return Regions(centroids, lower, upper, order, starts)
 
 
-def region_scores(regions: Regions, queries: torch.Tensor, group: int) -> torch.Tensor:
+def region_scores(regions: Regions, queries: torch.Tensor, group: int, bounds: bool = True) -> torch.Tensor:
     """queries [T, G * group, D] (a step's query rows of one request; `group` query heads per KV head) ->
     [G, R]: how much each region may matter to the step, shared by all its rows: the largest over rows and
-    heads of the centroid score, or with bounds the upper bound of any key's score (empty regions: -inf)."""
+    heads of the upper bound of any key's score in the region (`bounds`), or of the centroid's score (empty
+    regions: -inf)."""
     T, H, D = queries.shape
     q = queries.float().view(T, H // group, group, D).permute(1, 0, 2, 3).reshape(H // group, T * group, D)
-    if regions.upper is not None:  # sum over d of max(q_d * lower_d, q_d * upper_d), as two products
+    if bounds:  # sum over d of max(q_d * lower_d, q_d * upper_d), as two products
         scores = q.clamp(min=0) @ regions.upper.transpose(1, 2) + q.clamp(max=0) @ regions.lower.transpose(1, 2)
     else:
         scores = q @ regions.centroids.transpose(1, 2)
