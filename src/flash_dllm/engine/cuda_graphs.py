@@ -71,6 +71,7 @@ class _CapturedCall:
 
     def __init__(self, fn, tensors: tuple[torch.Tensor, ...], pool, stream):
         self.inputs = tuple(t.clone() for t in tensors)
+        self.constants: list[torch.Tensor] = []  # the uploaded host lists it reads (GraphedCalls.constant)
         self.graph = torch.cuda.CUDAGraph()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -147,7 +148,7 @@ class GraphedCalls:
             captured = _CapturedCall(fn, tensors, self.pool, self.stream)
         finally:
             constants, self.read_by_capture = self.read_by_capture, None
-        captured.constants = constants  # kept alive while the graph may replay
+        captured.constants = constants  # kept alive while the graph may replay them
         self.pool = captured.graph.pool()
         return captured
 
