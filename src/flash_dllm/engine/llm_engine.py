@@ -97,20 +97,18 @@ class LLMEngine:
         if self.batch is None:
             return []
         method, runner, batch = method_of(self.batch.params.method), self.runner, self.batch
-        if method.replayable and runner.graphs is not None:
-            plan = method.plan(runner, batch)
-            if runner.uses_graphs(plan.rows):
-                def whole_step():
-                    method.run(runner, batch, plan)
-                    return self._finish_state()
-                finish = runner.graphs.run(("step", self.batch_number, method.name, plan), whole_step)
-            else:
-                method.run(runner, batch, plan)
-                finish = self._finish_state()
-        else:
+        if not method.replayable:
             method.step(runner, batch)
-            finish = self._finish_state()
-        return self._collect_finished(*finish)
+            return self._collect_finished(*self._finish_state())
+        plan = method.plan(runner, batch)
+
+        def whole_step():
+            method.run(runner, batch, plan)
+            return self._finish_state()
+        if runner.uses_graphs(plan.rows):
+            return self._collect_finished(*runner.graphs.run(("step", self.batch_number, method.name, plan),
+                                                             whole_step))
+        return self._collect_finished(*whole_step())
 
     def _refresh_batch(self):
         """Drop the rows that finished last step and admit waiting requests; rebuild only on a change."""
