@@ -148,7 +148,7 @@ def _prepare(runner: ModelRunner, batch: DecodeBatch, order: list[int], selected
              track: torch.Tensor) -> CachedPass:
     """A pass over the columns `selected` [B, W] of the batch rows in `order` (counts: how many each selects);
     the rows of the columns `track` [B, W] are tracked."""
-    columns = leading_columns(selected[device_tensor(order, batch.tokens.device)], max(counts))[0]
+    columns = leading_columns(selected[runner.constant(order)], max(counts))[0]
     return runner.prepare(batch, counts, columns, order=order, track=track)
 
 
@@ -237,7 +237,7 @@ def _refresh_pass(runner: ModelRunner, batch: DecodeBatch, first_layer: list[int
     rope = Rotary.at(refresh.positions, model.config)
     slots = refresh.metadata.slot_mapping
     row_start = device_tensor(first_layer, device)[refresh.request]                  # [N] each row's first layer
-    order_t = device_tensor(order, device)
+    order_t = runner.constant(order)  # uploaded by _prepare already
     x = torch.zeros(refresh.request.shape[0], model.config.hidden_size, dtype=hidden[0].dtype, device=device)
     for index in range(starts[0], num_layers):
         groups = bisect_right(starts, index)
