@@ -63,7 +63,8 @@ def batch_tensors(batch) -> list[int]:
 @pytest.mark.parametrize("knobs", [k for k in METHODS if method_of(k["method"]).replayable], ids=lambda k: k["method"])
 def test_whole_steps_go_through_the_step_graphs_in_place(gqa_checkpoint, knobs, monkeypatch):
     """A replayable method's steps run through the engine's step graphs: the eager tokens and query rows, and a
-    step never rebinds a tensor of the batch (a graph would go on writing the old one)."""
+    step never rebinds a tensor of the batch (a graph would go on writing the old one); a second engine on the
+    same runner never replays the first one's graphs."""
     params = SamplingParams(max_tokens=32, block_length=8, threshold=0.9, **knobs)
     expected = LLM(gqa_checkpoint, device="cpu", dtype="float32").generate(PROMPTS, params, use_tqdm=False)
 
@@ -79,9 +80,11 @@ def test_whole_steps_go_through_the_step_graphs_in_place(gqa_checkpoint, knobs, 
         return finish_state(engine)
 
     monkeypatch.setattr(LLMEngine, "_finish_state", checked_finish_state)
-    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
-    assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
-    assert [o.query_rows for o in outputs] == [o.query_rows for o in expected]
+    for engine in (llm.engine, LLMEngine(llm.runner, llm.special, 2)):
+        llm.engine = engine
+        outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+        assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
+        assert [o.query_rows for o in outputs] == [o.query_rows for o in expected]
     step_keys = [key for key in llm.runner.graphs.graphs if key[0] == "step"]
     assert step_keys and {key[1] for key in step_keys} <= set(storage)
     assert llm.runner.graphs.replays > 0

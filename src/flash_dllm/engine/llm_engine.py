@@ -30,7 +30,7 @@ class LLMEngine:
         self.scheduler = Scheduler(max_batch_size)
         self.running: list[Sequence] = []  # the batch's sequences, row by row
         self.batch: DecodeBatch | None = None
-        self.batch_number = 0  # counts rebuilds: a step graph replays only over the batch it was captured on
+        self.batch_number = 0  # the batch's number on the runner: a step graph replays only over its own batch
         self.allocator: CacheAllocator | None = None
         self.stop_ids = torch.tensor(special.stop_ids, device=self.device)
         self._request_ids = itertools.count()
@@ -128,7 +128,7 @@ class LLMEngine:
             seq.status = SequenceStatus.RUNNING
             seq.start_time = time.perf_counter()
         self.running = running + admitted
-        self.batch_number += 1
+        self.batch_number = next(self.runner.batch_numbers)  # counted by the runner: engines may share one
         self.batch = (DecodeBatch.build([seq.row for seq in self.running], self.special.mask_id, self.stop_ids,
                                         self.special.pad_id) if self.running else None)
 

@@ -9,6 +9,7 @@ query rows (`prepare` + `run`, or a full forward) and for the logits of a set of
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 from dataclasses import dataclass
 
@@ -76,6 +77,7 @@ class ModelRunner:
         self.kv_cache_bytes = kv_cache_bytes
         self.cache: KVCache | None = None
         self.graphs: CudaGraphs | None = None
+        self.batch_numbers = itertools.count(1)  # every engine's batches on this runner (the step graphs' keys)
         self.logits_checked = False
 
     @property
