@@ -1,0 +1,36 @@
+"""The batch-invariant GEMM against its reference, and a row's result the same for any number of rows."""
+from kernel_testing import BUDGET, DEVICE, rel_err  # first: it picks the interpreter on the CPU
+
+import pytest
+import torch
+
+from flash_dllm.kernels.invariant_matmul import invariant_matmul, invariant_matmul_ref
+
+SHAPES = {"one-row": (1, 40, 72), "ragged": (70, 130, 200), "wide": (9, 64, 300)}  # (M, K, N), tiles cut
+
+
+def operands(M, K, N, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(M, K, generator=g).to(dtype).to(DEVICE), torch.randn(N, K, generator=g).to(dtype).to(DEVICE))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_matches_reference(shape, dtype):
+    x, w = operands(*SHAPES[shape], dtype)
+    assert rel_err(invariant_matmul(x, w), invariant_matmul_ref(x, w)) < BUDGET[dtype]
+
+
+def test_leading_dims_and_no_rows():
+    x, w = operands(12, 40, 24, torch.float32)
+    assert torch.equal(invariant_matmul(x.view(3, 4, 40), w), invariant_matmul(x, w).view(3, 4, 24))
+    assert invariant_matmul(x[:0], w).shape == (0, 24)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_is_the_same_in_any_batch(dtype):
+    x, w = operands(70, 130, 200, dtype)
+    batched = invariant_matmul(x, w)
+    for rows in (slice(0, 1), slice(37, 38), slice(60, 70), slice(3, 68)):
+        assert torch.equal(invariant_matmul(x[rows], w), batched[rows])
+    assert torch.equal(invariant_matmul(x, w), batched)  # and run to run
