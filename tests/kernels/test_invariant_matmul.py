@@ -4,7 +4,7 @@ from kernel_testing import BUDGET, DEVICE, rel_err  # first: it picks the interp
 import pytest
 import torch
 
-from flash_dllm.kernels.invariant_matmul import invariant_matmul, invariant_matmul_ref
+from flash_dllm.kernels.invariant_matmul import config_for, invariant_matmul, invariant_matmul_ref
 
 SHAPES = {"one-row": (1, 40, 72), "ragged": (70, 130, 200), "wide": (9, 64, 300)}  # (M, K, N), tiles cut
 
@@ -34,3 +34,17 @@ def test_a_row_is_the_same_in_any_batch(dtype):
     for rows in (slice(0, 1), slice(37, 38), slice(60, 70), slice(3, 68)):
         assert torch.equal(invariant_matmul(x[rows], w), batched[rows])
     assert torch.equal(invariant_matmul(x, w), batched)  # and run to run
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("K", [200, 256])  # K cut by the K step, and not
+def test_every_tiling_gives_the_same_bits(dtype, K):
+    """The table may pick the tiling by the number of rows only because no tiling of rows and columns changes an
+    element's sums (the K step is the dtype's one: the interpreter sums a K step at once)."""
+    x, w = operands(70, K, 200, dtype)
+    k_step = config_for(1, dtype)["BLOCK_K"]
+    tilings = [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k_step, num_warps=4, num_stages=3)
+               for m, n in ((64, 32), (64, 128), (128, 64), (32, 64))]
+    first = invariant_matmul(x, w, tilings[0])
+    for tiling in tilings[1:]:
+        assert torch.equal(invariant_matmul(x, w, tiling), first), tiling

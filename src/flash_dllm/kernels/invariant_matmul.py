@@ -1,9 +1,12 @@
 """x @ w.T with every output row's sums in one order, whatever the number of rows (Triton), beside its reference.
 
 cuBLAS picks its kernel, tile and split over K by the shape, so the same row comes out rounded differently in a
-batch of 1 and of 32 (issue 16). Here every launch uses one tiling: program (row tile, column tile) walks K
-left to right in BLOCK_K steps with an fp32 accumulator, never split. A row's result then depends only on the
-row and the weights; it is also the same from run to run.
+batch of 1 and of 32 (issue 16). Here K is never split: program (row tile, column tile) walks K left to right
+with an fp32 accumulator, and the tensor cores add one 16-wide K slice per instruction into it, so an output
+element is the same chain of additions whatever the tile's rows, columns or K step. The tiling can then follow
+the number of rows (few rows: narrow column tiles, so that every SM streams weights; many: large tiles), and a
+row's result still depends only on the row and the weights; it is also the same from run to run.
+`benchmarks/invariant_matmul_configs.py` checks that on the GPU (every config bit-identical) and picks them.
 """
 from __future__ import annotations
 
@@ -17,10 +20,14 @@ try:
 except ImportError:  # the reference works without triton; only the kernel needs it
     triton = None
 
-# One tiling for every call of a dtype (fp32 tiles are twice the bytes: half the K step keeps them in smem).
-CONFIG = {torch.bfloat16: dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
-          torch.float16: dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
-          torch.float32: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3)}
+# (most rows, tiling) per dtype, first match; tuned on the H200 at LLaDA-8B's shapes. fp32 (FMA, not tensor
+# cores) sums each element in K order under any tiling too.
+CONFIGS = {
+    torch.bfloat16: [(64, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4)),
+                     (None, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4))],
+    torch.float32: [(None, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3))],
+}
+CONFIGS[torch.float16] = CONFIGS[torch.bfloat16]
 GROUP_M = 8  # row tiles that walk the column tiles together (weight tiles reused from L2)
 
 
@@ -29,9 +36,14 @@ def invariant_matmul_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (x.float() @ w.float().T).to(x.dtype)
 
 
-def invariant_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def config_for(rows: int, dtype: torch.dtype) -> dict:
+    return next(config for most, config in CONFIGS[dtype] if most is None or rows <= most)
+
+
+def invariant_matmul(x: torch.Tensor, w: torch.Tensor, config: dict | None = None) -> torch.Tensor:
     """The Triton kernel of invariant_matmul_ref (same arguments, same result within rounding); row i of the
-    result is bit-identical for any number of rows. Graph capturable: no host syncs."""
+    result is bit-identical for any number of rows. Graph capturable: no host syncs. config: a tiling other
+    than the table's (the config search)."""
     if triton is None:
         raise RuntimeError("invariant_matmul needs triton; use invariant_matmul_ref")
     K = x.shape[-1]
@@ -43,10 +55,10 @@ def invariant_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return out.view(*x.shape[:-1], N)
-    config = CONFIG[x.dtype]
+    config = config or config_for(M, x.dtype)
     grid = (triton.cdiv(M, config["BLOCK_M"]) * triton.cdiv(N, config["BLOCK_N"]),)
     _invariant_matmul_kernel[grid](a, w, out, M, N, K, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-                                   GROUP_M=GROUP_M, DOT_FP32=os.environ.get("TRITON_INTERPRET") == "1", **config)
+                                   GROUP_M=GROUP_M, EVEN_K=K % config["BLOCK_K"] == 0, DOT_FP32=os.environ.get("TRITON_INTERPRET") == "1", **config)
     return out.view(*x.shape[:-1], N)
 
 
@@ -55,7 +67,7 @@ if triton is not None:
     @triton.jit(do_not_specialize=["M", "stride_am"])
     def _invariant_matmul_kernel(a_ptr, w_ptr, out_ptr, M, N, K, stride_am, stride_wn, stride_wk, stride_om,
                                  GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                 BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
+                                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr):
         # Grouped order: GROUP_M row tiles take the column tiles in turn, so a weight tile is read from HBM once
         # per group. The order decides only which program runs when, never how a row is summed.
         pid = tl.program_id(0)
@@ -71,7 +83,7 @@ if triton is not None:
         m_m, m_n = o_m < M, o_n < N
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k in range(0, K, BLOCK_K):  # left to right, one BLOCK_K step at a time
-            m_k = (k + o_k) < K
+            m_k = (k + o_k) < K if not EVEN_K else tl.full([BLOCK_K], 1, tl.int1)  # constant: no K test
             b_a = tl.load(a_ptr + o_m[:, None] * stride_am + (k + o_k)[None, :], mask=m_m[:, None] & m_k[None, :],
                           other=0.0)
             b_w = tl.load(w_ptr + o_n[None, :] * stride_wn + (k + o_k)[:, None] * stride_wk,
