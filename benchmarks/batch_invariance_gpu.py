@@ -24,12 +24,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--methods", nargs="+", default=[m for m in METHODS if m != "elastic"])
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--modes", nargs="+", choices=["default", "invariant"], default=["default", "invariant"])
     args = ap.parse_args()
     g = torch.Generator().manual_seed(1)
     lengths = [3, 100, 17, 64, 5, 41, 88, 9, 30, 72, 12, 55, 96, 23, 7, 47]
     prompts = [torch.randint(5, 126000, (n,), generator=g).tolist() for n in lengths]
     rows = []
-    for invariant in (False, True):
+    for invariant in [mode == "invariant" for mode in args.modes]:
         llm = LLM("random:llada-8b", device="cuda", dtype="bfloat16", batch_invariant=invariant, max_batch_size=32)
         for method in args.methods:
             params = SamplingParams(method=method, max_tokens=args.max_tokens, block_length=8,

@@ -2,22 +2,32 @@
 bits (the kernel's claim: K never split, so an element's additions do not depend on the tile), and each one's
 time against cuBLAS per row count, to fill kernels/invariant_matmul.py's CONFIGS.
 
-    PYTHONPATH=src python benchmarks/invariant_matmul_configs.py [--rows 1 16 33 64 144 256 512 1024 4608]
+    PYTHONPATH=src python benchmarks/invariant_matmul_configs.py [--rows 1 16 33 64 144 256 512 1024 4608] [--write]
+
+--write stores the best tiling of each row count (the four layer GEMMs' sum) as the bf16 and fp16 tables of
+kernels/invariant_matmul.json, all of one K step (the one with the least time over the row counts: the CPU
+interpreter's dot sums a whole K step at once, so only there does the K step change the bits); it refuses when
+any tiling gives other bits.
 """
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from flash_dllm.kernels.invariant_matmul import CONFIGS, config_for, invariant_matmul
+import flash_dllm.kernels.invariant_matmul as module
+from flash_dllm.kernels.invariant_matmul import CONFIGS, invariant_matmul
 from flash_dllm.models.loader import random_config
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
 CANDIDATES = [(64, 32, 64, 4, 6), (64, 32, 128, 4, 4), (64, 64, 64, 4, 4), (64, 64, 64, 4, 6), (64, 64, 128, 4, 4),
               (64, 128, 64, 4, 4), (64, 256, 64, 4, 3), (128, 64, 64, 4, 4), (128, 128, 64, 4, 4),
-              (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (16, 64, 64, 4, 4), (32, 64, 64, 4, 4)]
+              (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (16, 64, 64, 4, 4), (32, 64, 64, 4, 4),
+              (16, 32, 128, 4, 4), (16, 64, 128, 4, 4), (16, 128, 64, 4, 4), (32, 64, 128, 4, 4), (64, 64, 128, 4, 3),
+              (128, 128, 128, 8, 3), (256, 128, 64, 8, 3)]
 
 
 def as_config(c):
@@ -43,6 +53,7 @@ def timed_us(fn, replays: int = 20) -> float:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 33, 64, 144, 256, 512, 1024, 4608])
+    ap.add_argument("--write", action="store_true", help="store the best tilings in kernels/invariant_matmul.json")
     args = ap.parse_args()
     cfg = random_config("llada-8b")
     d, ff = cfg.hidden_size, cfg.intermediate_size
@@ -51,6 +62,7 @@ def main():
     weights = {n: torch.randn(s, dtype=torch.bfloat16, device="cuda") * 0.02 for n, s in shapes.items()}
     inputs = {n: torch.randn(max(args.rows), w.shape[1], dtype=torch.bfloat16, device="cuda") for n, w in weights.items()}
 
+    identical = True
     print("## bits: every tiling against the first, all rows, and row 0 alone against in the batch")
     for name, w in weights.items():
         x = inputs[name][:1024]
@@ -61,6 +73,7 @@ def main():
             alone = invariant_matmul(x[:1], w, as_config(c))
             if not (torch.equal(out, base) and torch.equal(alone, base[:1])):
                 differ.append(f"{c}: {(out.float() - base.float()).abs().max().item():.2e}")
+        identical &= not differ
         print(f"{name}: {len(CANDIDATES) - len(differ)}/{len(CANDIDATES)} tilings bit-identical; differ: {differ}",
               flush=True)
 
@@ -69,12 +82,16 @@ def main():
           "| cuBLAS lm_head | best lm_head | lm_head tiling |")
     print("|---" * 11 + "|")
     layer = ("qkv", "o", "gate_up", "down")
-    for rows in args.rows:
+    chosen = {k_step: [] for k_step in sorted({c[2] for c in CANDIDATES})}
+    for rows in sorted(args.rows):
         cublas = {n: timed_us(lambda: F.linear(inputs[n][:rows], w)) for n, w in weights.items()}
         table = sum(timed_us(lambda: invariant_matmul(inputs[n][:rows], weights[n])) for n in layer)
         times = {c: {n: timed_us(lambda: invariant_matmul(inputs[n][:rows], w, as_config(c)))
                      for n, w in weights.items()} for c in CANDIDATES}
         best = min(CANDIDATES, key=lambda c: sum(times[c][n] for n in layer))
+        for k_step, picks in chosen.items():
+            pick = min((c for c in CANDIDATES if c[2] == k_step), key=lambda c: sum(times[c][n] for n in layer))
+            picks.append((rows, pick, sum(times[pick][n] for n in layer) / sum(cublas[n] for n in layer)))
         best_layer = sum(times[best][n] for n in layer)
         per_gemm = sum(min(times[c][n] for c in CANDIDATES) for n in layer)
         head = min(CANDIDATES, key=lambda c: times[c]["lm_head"])
@@ -84,7 +101,22 @@ def main():
               flush=True)
         print("   " + "; ".join(f"{c}: " + ",".join(f"{times[c][n]:.0f}" for n in shapes) for c in CANDIDATES),
               flush=True)
-    print(f"\ntable: {CONFIGS[torch.bfloat16]}; config_for(144) = {config_for(144, torch.bfloat16)}")
+    k_step = min(chosen, key=lambda k: sum(ratio for _, _, ratio in chosen[k]))
+    picks = [(rows, tiling) for rows, tiling, _ in chosen[k_step]]
+    print("\nx cuBLAS by K step: " + "; ".join(f"{k}: " + ", ".join(f"{r:.2f}" for *_, r in v) for k, v in chosen.items()))
+    table = []
+    for (rows, tiling), following in zip(picks, picks[1:] + [(None, None)]):
+        if tiling != following[1]:  # the last row count of a run of one tiling
+            table.append([rows if following[0] is not None else None, as_config(tiling)])
+    print(f"\nbefore: {CONFIGS[torch.bfloat16]}\nbest: {table}")
+    if args.write:
+        if not identical:
+            raise SystemExit("not written: some tilings give other bits")
+        path = Path(module.__file__).parent / "invariant_matmul.json"
+        tables = json.loads(path.read_text())
+        tables["bfloat16"] = tables["float16"] = table
+        path.write_text(json.dumps(tables, indent=1) + "\n")
+        print(f"written to {path}")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@ row's result still depends only on the row and the weights; it is also the same 
 """
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import torch
 
@@ -20,14 +22,10 @@ try:
 except ImportError:  # the reference works without triton; only the kernel needs it
     triton = None
 
-# (most rows, tiling) per dtype, first match; tuned on the H200 at LLaDA-8B's shapes. fp32 (FMA, not tensor
-# cores) sums each element in K order under any tiling too.
-CONFIGS = {
-    torch.bfloat16: [(64, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4)),
-                     (None, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4))],
-    torch.float32: [(None, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3))],
-}
-CONFIGS[torch.float16] = CONFIGS[torch.bfloat16]
+# Per dtype, (most rows, tiling) pairs, the first that fits is used; picked on the H200 at LLaDA-8B's shapes by
+# benchmarks/invariant_matmul_configs.py --write. fp32 (FMA, not tensor cores) sums in K order under any tiling.
+CONFIGS = {getattr(torch, dtype): [(most, config) for most, config in table]
+           for dtype, table in json.loads((Path(__file__).parent / "invariant_matmul.json").read_text()).items()}
 GROUP_M = 8  # row tiles that walk the column tiles together (weight tiles reused from L2)
 
 
@@ -57,15 +55,19 @@ def invariant_matmul(x: torch.Tensor, w: torch.Tensor, config: dict | None = Non
         return out.view(*x.shape[:-1], N)
     config = config or config_for(M, x.dtype)
     grid = (triton.cdiv(M, config["BLOCK_M"]) * triton.cdiv(N, config["BLOCK_N"]),)
-    _invariant_matmul_kernel[grid](a, w, out, M, N, K, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-                                   GROUP_M=GROUP_M, EVEN_K=K % config["BLOCK_K"] == 0, DOT_FP32=os.environ.get("TRITON_INTERPRET") == "1", **config)
+    if w.stride(1) != 1:
+        w = w.contiguous()
+    dot_fp32 = x.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
+    _invariant_matmul_kernel[grid](a, w, out, M, N, K, a.stride(0), w.stride(0), out.stride(0), GROUP_M=GROUP_M,
+                                   EVEN_K=K % config["BLOCK_K"] == 0, DOT_FP32=dot_fp32, **config)
     return out.view(*x.shape[:-1], N)
 
 
 if triton is not None:
-    # M varies by step: not specialised on (M % 16 or M == 1 would compile, and possibly round, differently).
-    @triton.jit(do_not_specialize=["M", "stride_am"])
-    def _invariant_matmul_kernel(a_ptr, w_ptr, out_ptr, M, N, K, stride_am, stride_wn, stride_wk, stride_om,
+    # M varies by step and is not specialised on (one compile for every row count); the strides are (their
+    # divisibility lets the loads vectorise).
+    @triton.jit(do_not_specialize=["M"])
+    def _invariant_matmul_kernel(a_ptr, w_ptr, out_ptr, M, N, K, stride_am, stride_wn, stride_om,
                                  GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                  BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr):
         # Grouped order: GROUP_M row tiles take the column tiles in turn, so a weight tile is read from HBM once
@@ -77,19 +79,26 @@ if triton is not None:
         group_size = tl.minimum(tiles_m - first_m, GROUP_M)
         tile_m = first_m + (pid % (GROUP_M * tiles_n)) % group_size
         tile_n = (pid % (GROUP_M * tiles_n)) // group_size
-        o_m = (tile_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-        o_n = (tile_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+        o_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        o_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
         o_k = tl.arange(0, BLOCK_K)
-        m_m, m_n = o_m < M, o_n < N
+        # Rows and columns past the end read row/column 0 instead of a masked load (the loop's loads then need
+        # no mask and pipeline); their results are never stored.
+        a_ptrs = a_ptr + tl.where(o_m < M, o_m, 0).to(tl.int64)[:, None] * stride_am + o_k[None, :]
+        w_ptrs = w_ptr + tl.where(o_n < N, o_n, 0).to(tl.int64)[None, :] * stride_wn + o_k[:, None]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):  # left to right, one BLOCK_K step at a time
-            m_k = (k + o_k) < K if not EVEN_K else tl.full([BLOCK_K], 1, tl.int1)  # constant: no K test
-            b_a = tl.load(a_ptr + o_m[:, None] * stride_am + (k + o_k)[None, :], mask=m_m[:, None] & m_k[None, :],
-                          other=0.0)
-            b_w = tl.load(w_ptr + o_n[None, :] * stride_wn + (k + o_k)[:, None] * stride_wk,
-                          mask=m_n[None, :] & m_k[:, None], other=0.0)
-            if DOT_FP32:  # the interpreter's 16-bit tl.dot is wrong: exact fp32 products there
-                b_a, b_w = b_a.to(tl.float32), b_w.to(tl.float32)
-            acc = tl.dot(b_a, b_w, acc, input_precision="ieee")
-        tl.store(out_ptr + o_m[:, None] * stride_om + o_n[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=m_m[:, None] & m_n[None, :])
+        for k in range(0, tl.cdiv(K, BLOCK_K)):  # left to right, one BLOCK_K step at a time
+            if EVEN_K:
+                b_a, b_w = tl.load(a_ptrs), tl.load(w_ptrs)
+            else:
+                b_a = tl.load(a_ptrs, mask=o_k[None, :] < K - k * BLOCK_K, other=0.0)
+                b_w = tl.load(w_ptrs, mask=o_k[:, None] < K - k * BLOCK_K, other=0.0)
+            if DOT_FP32:  # fp32 operands (exact products: no tf32); the interpreter's 16-bit tl.dot is wrong
+                acc = tl.dot(b_a.to(tl.float32), b_w.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(b_a, b_w, acc)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        o_m64 = o_m.to(tl.int64)
+        tl.store(out_ptr + o_m64[:, None] * stride_om + o_n[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=(o_m < M)[:, None] & (o_n < N)[None, :])
