@@ -2,7 +2,7 @@
 bits (the kernel's claim: K never split, so an element's additions do not depend on the tile), and each one's
 time against cuBLAS per row count, to fill kernels/invariant_matmul.py's CONFIGS.
 
-    PYTHONPATH=src python benchmarks/invariant_matmul_configs.py [--rows 1 16 33 64 144 256 512 1024 4608] [--write]
+    PYTHONPATH=src python benchmarks/invariant_matmul_configs.py [--rows 1 16 55 144 ...] [--write]
 
 --write stores the best tiling of each row count (the four layer GEMMs' sum) as the bf16 and fp16 tables of
 kernels/invariant_matmul.json, all of one K step (the one with the least time over the row counts: the CPU
@@ -22,16 +22,19 @@ import flash_dllm.kernels.invariant_matmul as module
 from flash_dllm.kernels.invariant_matmul import CONFIGS, invariant_matmul
 from flash_dllm.models.loader import random_config
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
-CANDIDATES = [(64, 32, 64, 4, 6), (64, 32, 128, 4, 4), (64, 64, 64, 4, 4), (64, 64, 64, 4, 6), (64, 64, 128, 4, 4),
-              (64, 128, 64, 4, 4), (64, 256, 64, 4, 3), (128, 64, 64, 4, 4), (128, 128, 64, 4, 4),
-              (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (16, 64, 64, 4, 4), (32, 64, 64, 4, 4),
-              (16, 32, 128, 4, 4), (16, 64, 128, 4, 4), (16, 128, 64, 4, 4), (32, 64, 128, 4, 4), (64, 64, 128, 4, 3),
-              (128, 128, 128, 8, 3), (256, 128, 64, 8, 3)]
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SWAP: weights as the MMA's rows, for few input rows)
+CANDIDATES = [(64, 32, 128, 4, 4, False), (64, 64, 64, 4, 6, False), (64, 64, 128, 4, 4, False),
+              (64, 128, 64, 4, 4, False), (64, 256, 64, 4, 3, False), (128, 128, 64, 4, 4, False),
+              (128, 128, 64, 8, 3, False), (128, 256, 64, 8, 4, False), (256, 128, 64, 8, 3, False),
+              (128, 128, 128, 8, 3, False), (16, 64, 128, 4, 4, False), (16, 128, 64, 4, 4, False),
+              (16, 64, 128, 4, 4, True), (16, 128, 64, 4, 4, True), (32, 64, 128, 4, 4, True),
+              (32, 128, 64, 4, 4, True), (64, 64, 128, 4, 4, True), (64, 128, 64, 4, 4, True),
+              (128, 64, 64, 4, 4, True), (128, 128, 64, 8, 3, True), (256, 64, 64, 8, 3, True),
+              (256, 128, 64, 8, 3, True)]
 
 
 def as_config(c):
-    return dict(BLOCK_M=c[0], BLOCK_N=c[1], BLOCK_K=c[2], num_warps=c[3], num_stages=c[4])
+    return dict(BLOCK_M=c[0], BLOCK_N=c[1], BLOCK_K=c[2], num_warps=c[3], num_stages=c[4], SWAP=c[5])
 
 
 def timed_us(fn, replays: int = 20) -> float:
@@ -52,7 +55,7 @@ def timed_us(fn, replays: int = 20) -> float:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 33, 64, 144, 256, 512, 1024, 4608])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 33, 55, 64, 97, 144, 241, 512, 1024, 1760, 4608])
     ap.add_argument("--write", action="store_true", help="store the best tilings in kernels/invariant_matmul.json")
     args = ap.parse_args()
     cfg = random_config("llada-8b")

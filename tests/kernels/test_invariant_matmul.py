@@ -43,8 +43,9 @@ def test_every_tiling_gives_the_same_bits(dtype, K):
     element's sums (the K step is the dtype's one: the interpreter sums a K step at once)."""
     x, w = operands(70, K, 200, dtype)
     k_step = config_for(1, dtype)["BLOCK_K"]
-    tilings = [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k_step, num_warps=4, num_stages=3)
-               for m, n in ((64, 32), (64, 128), (128, 64), (32, 64))]
+    tilings = [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k_step, SWAP=swap, num_warps=4, num_stages=3)
+               for m, n, swap in ((64, 32, False), (64, 128, False), (128, 64, False), (32, 64, False),
+                                  (16, 64, True), (64, 128, True))]
     first = invariant_matmul(x, w, tilings[0])
     for tiling in tilings[1:]:
         assert torch.equal(invariant_matmul(x, w, tiling), first), tiling

@@ -59,7 +59,7 @@ def invariant_matmul(x: torch.Tensor, w: torch.Tensor, config: dict | None = Non
         w = w.contiguous()
     dot_fp32 = x.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
     _invariant_matmul_kernel[grid](a, w, out, M, N, K, a.stride(0), w.stride(0), out.stride(0), GROUP_M=GROUP_M,
-                                   EVEN_K=K % config["BLOCK_K"] == 0, DOT_FP32=dot_fp32, **config)
+                                   EVEN_K=K % config["BLOCK_K"] == 0, DOT_FP32=dot_fp32, **{"SWAP": False, **config})
     return out.view(*x.shape[:-1], N)
 
 
@@ -69,7 +69,8 @@ if triton is not None:
     @triton.jit(do_not_specialize=["M"])
     def _invariant_matmul_kernel(a_ptr, w_ptr, out_ptr, M, N, K, stride_am, stride_wn, stride_om,
                                  GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr):
+                                 BLOCK_K: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr,
+                                 DOT_FP32: tl.constexpr):
         # Grouped order: GROUP_M row tiles take the column tiles in turn, so a weight tile is read from HBM once
         # per group. The order decides only which program runs when, never how a row is summed.
         pid = tl.program_id(0)
@@ -82,23 +83,41 @@ if triton is not None:
         o_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
         o_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
         o_k = tl.arange(0, BLOCK_K)
-        # Rows and columns past the end read row/column 0 instead of a masked load (the loop's loads then need
-        # no mask and pipeline); their results are never stored.
-        a_ptrs = a_ptr + tl.where(o_m < M, o_m, 0).to(tl.int64)[:, None] * stride_am + o_k[None, :]
-        w_ptrs = w_ptr + tl.where(o_n < N, o_n, 0).to(tl.int64)[None, :] * stride_wn + o_k[:, None]
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        m_m = o_m < M
+        w_rows = tl.where(o_n < N, o_n, 0).to(tl.int64) * stride_wn  # columns past the end read column 0
+        if SWAP:  # few rows: the weight tile is the product's rows, the input rows its columns (out.T per tile)
+            a_ptrs = a_ptr + o_m.to(tl.int64)[None, :] * stride_am + o_k[:, None]
+            w_ptrs = w_ptr + w_rows[:, None] + o_k[None, :]
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        else:
+            a_ptrs = a_ptr + o_m.to(tl.int64)[:, None] * stride_am + o_k[None, :]
+            w_ptrs = w_ptr + w_rows[None, :] + o_k[:, None]
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k in range(0, tl.cdiv(K, BLOCK_K)):  # left to right, one BLOCK_K step at a time
-            if EVEN_K:
-                b_a, b_w = tl.load(a_ptrs), tl.load(w_ptrs)
+            in_k = o_k < K - k * BLOCK_K
+            if SWAP:
+                if EVEN_K:  # the weights' loads unmasked
+                    b_w, b_a = tl.load(w_ptrs), tl.load(a_ptrs, mask=m_m[None, :], other=0.0)
+                else:
+                    b_w = tl.load(w_ptrs, mask=in_k[None, :], other=0.0)
+                    b_a = tl.load(a_ptrs, mask=m_m[None, :] & in_k[:, None], other=0.0)
+                left, right = b_w, b_a
             else:
-                b_a = tl.load(a_ptrs, mask=o_k[None, :] < K - k * BLOCK_K, other=0.0)
-                b_w = tl.load(w_ptrs, mask=o_k[:, None] < K - k * BLOCK_K, other=0.0)
+                if EVEN_K:
+                    b_w, b_a = tl.load(w_ptrs), tl.load(a_ptrs, mask=m_m[:, None], other=0.0)
+                else:
+                    b_w = tl.load(w_ptrs, mask=in_k[:, None], other=0.0)
+                    b_a = tl.load(a_ptrs, mask=m_m[:, None] & in_k[None, :], other=0.0)
+                left, right = b_a, b_w
             if DOT_FP32:  # fp32 operands (exact products: no tf32); the interpreter's 16-bit tl.dot is wrong
-                acc = tl.dot(b_a.to(tl.float32), b_w.to(tl.float32), acc, input_precision="ieee")
+                acc = tl.dot(left.to(tl.float32), right.to(tl.float32), acc, input_precision="ieee")
             else:
-                acc = tl.dot(b_a, b_w, acc)
+                acc = tl.dot(left, right, acc)
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
+        out = acc.to(out_ptr.dtype.element_ty)
         o_m64 = o_m.to(tl.int64)
-        tl.store(out_ptr + o_m64[:, None] * stride_om + o_n[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=(o_m < M)[:, None] & (o_n < N)[None, :])
+        if SWAP:
+            tl.store(out_ptr + o_m64[None, :] * stride_om + o_n[:, None], out, mask=m_m[None, :] & (o_n < N)[:, None])
+        else:
+            tl.store(out_ptr + o_m64[:, None] * stride_om + o_n[None, :], out, mask=m_m[:, None] & (o_n < N)[None, :])
