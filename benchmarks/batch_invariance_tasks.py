@@ -1,5 +1,6 @@
 """The embedded tasks in the batch-invariant mode at batch sizes 1, 8 and 32: accuracy and whether every output is
-the same token for token (the embedded default model, bf16, on the CPU unless --device says otherwise, the first N items of each task).
+the same token for token (the embedded default model, bf16, on the CPU unless --device says otherwise, the first
+N items of each task).
 
     PYTHONPATH=src python benchmarks/batch_invariance_tasks.py [--items 100] [--methods flash-cache ...]
 """
