@@ -1,5 +1,6 @@
 """The embedded tasks in the batch-invariant mode at batch sizes 1, 8 and 32: accuracy and whether every output is
-the same token for token (the embedded default model, bf16 on the CPU, the first N items of each task).
+the same token for token (the embedded default model, bf16, on the CPU unless --device says otherwise, the first
+N items of each task).
 
     PYTHONPATH=src python benchmarks/batch_invariance_tasks.py [--items 100] [--methods flash-cache ...]
 """
@@ -17,8 +18,9 @@ def main():
     parser.add_argument("--items", type=int, default=100)
     parser.add_argument("--methods", nargs="+", default=["parallel", "dual-cache", "flash-cache", "flash-verify"])
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
-    llms = {size: LLM(device="cpu", dtype=args.dtype, max_batch_size=size, batch_invariant=True) for size in (1, 8, 32)}
+    llms = {size: LLM(device=args.device, dtype=args.dtype, max_batch_size=size, batch_invariant=True) for size in (1, 8, 32)}
     rows = []
     for method in args.methods:
         params = SamplingParams(method=method, max_tokens=128, block_length=32)

@@ -24,7 +24,8 @@ def add_model_args(parser: argparse.ArgumentParser):
     parser.add_argument("--kv-cache-bytes", type=int, default=None,
                         help="KV cache budget of the cached methods (default: 40%% of free GPU memory, 1 GiB on CPU)")
     parser.add_argument("--batch-invariant", action="store_true",
-                        help="the same tokens alone or in any batch, in any dtype (CPU only so far)")
+                        help="the same tokens alone or in any batch, in any dtype (on a GPU through the Triton kernels; "
+                             "Elastic-Cache on the CPU only)")
 
 
 def llm_from_args(args, default_device: str | None = None, **options):

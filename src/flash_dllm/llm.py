@@ -86,7 +86,8 @@ class LLM:
     cuda_graphs: replay the cached passes whose shapes repeat from CUDA graphs; default: with the kernels on
         CUDA (the references cannot be captured).
     batch_invariant: a request decodes to the same tokens alone or in any batch, in any dtype (every reduction's
-        order independent of the batch). CPU only so far (issue 16).
+        order independent of the batch). On a GPU it needs the kernels (every GEMM through one that never splits
+        K); Elastic-Cache is batch-invariant on the CPU only so far.
     """
 
     def __init__(self, model: str | Path | None = None, device: str | None = None,

@@ -1,6 +1,7 @@
-"""Batch-invariant decoding (CPU): with batch_invariant=True every method decodes each request to the same tokens
+"""Batch-invariant decoding: with batch_invariant=True every method decodes each request to the same tokens
 alone and in batches of 2, 8 and 32 (continuous batching refills the smaller ones), in bf16 on random weights
-whose near-ties flip on any change of rounding; and twice the same. On the GPU the mode is refused for now."""
+whose near-ties flip on any change of rounding; and twice the same. On the PyTorch path (CPU) and on the kernel
+path (the GPU's; interpreted on the CPU, on fewer prompts)."""
 from __future__ import annotations
 
 import pytest
@@ -49,8 +50,29 @@ def test_sampled_requests_too(llms, prompts, method):
     assert [out.token_ids for out in llms[8].generate(prompts, params, use_tqdm=False)] == alone
 
 
-def test_refused_where_not_implemented():
-    """The Triton kernels (and so the GPU) sum in the batch's order for now."""
-    model = LLM("random:llada-tiny", device="cpu").model
-    with pytest.raises(ValueError, match="batch_invariant"):
-        ModelRunner(model, kernels=True, batch_invariant=True)
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU runs the kernels interpreted
+
+
+@pytest.fixture(scope="module")
+def kernel_llms() -> dict[int, LLM]:
+    return {size: LLM("random:llada-tiny", device=KERNEL_DEVICE, dtype="bfloat16", max_batch_size=size,
+                      kernels=True, batch_invariant=True) for size in (1, 8)}
+
+
+@pytest.mark.parametrize("method", ["parallel", "dual-cache", "flash-cache", "flash-verify"])
+def test_the_kernel_path_is_batch_invariant_too(kernel_llms, prompts, method):
+    """The invariant GEMM, one tiling of the attention and norm kernels, the key mass summed in order."""
+    params = SamplingParams(method=method, max_tokens=8, block_length=8, **KNOBS.get(method, {}))
+    subset = [prompts[i] for i in (0, 2, 7, 14)]  # 3-17 tokens: the interpreter is slow
+    alone = [out.token_ids for out in kernel_llms[1].generate(subset, params, use_tqdm=False)]
+    assert any(alone)
+    assert [out.token_ids for out in kernel_llms[8].generate(subset, params, use_tqdm=False)] == alone
+
+
+def test_refused_where_not_implemented(kernel_llms):
+    """Elastic-Cache's drift test sums through PyTorch's reductions; on a GPU the PyTorch path is not invariant."""
+    out = kernel_llms[1].generate([[5, 6, 7]], SamplingParams(method="elastic", max_tokens=8), use_tqdm=False)[0]
+    assert out.finish_reason == "error" and "'elastic' is batch-invariant on the PyTorch path only" in out.error
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="batch_invariant"):
+            ModelRunner(kernel_llms[1].model, kernels=False, batch_invariant=True)

@@ -59,3 +59,13 @@ def test_model_norm_through_the_kernel(dtype):
 def test_no_rows():
     x, weight, b = make_inputs(3, 40, True, torch.float32)
     assert rms_norm(x[:0], weight, b, EPS).shape == (0, 40)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_invariant_rows_are_the_same_in_any_batch(dtype):
+    """One row a program (batch-invariant decoding): a row normed alone equals the row in a batch of 70."""
+    x, weight, b = make_inputs(70, 100, True, dtype)
+    batched = rms_norm(x, weight, b, EPS, invariant=True)
+    assert rel_err(batched, rms_norm_ref(x, weight, b, EPS)) < BUDGET[dtype]
+    for rows in (slice(5, 6), slice(0, 9)):
+        assert torch.equal(rms_norm(x[rows], weight, b, EPS, invariant=True), batched[rows])

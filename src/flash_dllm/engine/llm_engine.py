@@ -47,6 +47,9 @@ class LLMEngine:
         if self.runner.logit_shift and not method.handles_logit_shift:
             able = ", ".join(m.name for m in METHODS.values() if m.handles_logit_shift)
             raise ValueError(f"method {method.name!r} does not handle this model's shifted logits yet; use {able}")
+        if self.runner.invariant_gemms and not method.invariant_with_kernels:
+            raise ValueError(f"method {method.name!r} is batch-invariant on the PyTorch path only so far "
+                             f"(batch_invariant with kernels=False, on the CPU)")
         if method.uses_cache:
             if self.allocator is None:
                 cache = self.runner.allocate_cache(with_hidden=method.caches_hidden_states)

@@ -52,20 +52,23 @@ class ModelRunner:
     whose shapes repeat from CUDA graphs (default: with the kernels on CUDA). kv_cache_bytes: the cache's
     budget, at least one token's row (default: 40% of free GPU memory, or 1 GiB on the CPU); allocated at the
     first request that needs it, when the kernels are also compiled. batch_invariant: every request's tokens the
-    same alone or in any batch (CPU only so far, issue 16)."""
+    same alone or in any batch: every sum in one order (kernels/attention.py's ordered sums on the PyTorch path,
+    which relies on the CPU's GEMMs giving a row the same result for any row count; on the kernel path, the
+    GPU's, the batch-invariant GEMM and one tiling of every kernel)."""
 
     def __init__(self, model: DiffusionLM, kernels: bool | None = None, cuda_graphs: bool | None = None,
                  kv_cache_bytes: int | None = None, batch_invariant: bool = False):
         weights = next(model.parameters())
         self.model, self.device, self.dtype = model, weights.device, weights.dtype
         on_cuda = self.device.type == "cuda"
-        if batch_invariant and (on_cuda or kernels):
-            raise ValueError("batch_invariant=True runs on the CPU with the PyTorch paths (kernels off) so far: on "
-                             "the GPU the GEMMs' and attention's reduction order depends on the batch (issue 16)")
-        self.batch_invariant = batch_invariant
         if kernels and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("kernels=True needs a CUDA device (or TRITON_INTERPRET=1 to run them interpreted)")
         self.kernels = on_cuda if kernels is None else kernels
+        if batch_invariant and on_cuda and not self.kernels:
+            raise ValueError("batch_invariant=True on a GPU runs through the Triton kernels: with kernels=False "
+                             "cuBLAS and PyTorch's reductions choose their order by the batch's shape")
+        self.batch_invariant = batch_invariant
+        self.invariant_gemms = batch_invariant and self.kernels  # the GEMMs through kernels/invariant_matmul.py
         if cuda_graphs and not (self.kernels and on_cuda):
             raise ValueError("cuda_graphs=True needs the Triton kernels on a CUDA device")
         self.cuda_graphs = self.kernels and on_cuda if cuda_graphs is None else cuda_graphs
@@ -94,7 +97,7 @@ class ModelRunner:
             budget = int(0.4 * torch.cuda.mem_get_info(self.device)[0]) if self.device.type == "cuda" else 1 << 30
         self.cache = KVCache.from_budget(self.model.config, budget, self.dtype, self.device, with_hidden=with_hidden)
         if self.kernels and self.device.type == "cuda":
-            compile_kernels(self.model, self.cache)
+            compile_kernels(self.model, self.cache, ordered=self.batch_invariant)
         if self.cuda_graphs:
             self.graphs = CudaGraphs(self._forward_cached, self.device)
         return self.cache
@@ -117,7 +120,7 @@ class ModelRunner:
         columns = torch.arange(width, device=tokens.device)
         rolled = (columns + padding) % width  # rolled column c holds column (c + padding) % W
         hidden = self.model.hidden_states(tokens.gather(1, rolled), positions.gather(1, rolled),
-                                          attention_mask.gather(1, rolled), ordered=True)
+                                          attention_mask.gather(1, rolled), ordered=True, kernels=self.kernels)
         back = ((columns - padding) % width)[..., None].expand(-1, -1, hidden.shape[-1])
         return hidden.gather(1, back)
 
@@ -125,7 +128,7 @@ class ModelRunner:
         """fp32 logits [B, n] of the columns [B, n] from a full forward's final-normed hidden states [B, W, d]
         (`model.hidden_states`): a method that needs many columns' logits takes them in chunks."""
         source = self._logit_source(columns)[..., None].expand(-1, -1, hidden.shape[-1])
-        return self._checked(self.model.compute_logits(hidden.gather(1, source)).float())
+        return self._checked(self.model.compute_logits(hidden.gather(1, source), self.invariant_gemms).float())
 
     # Cached passes: a set of query rows per request, the rest of each sequence read from the KV cache.
 
@@ -204,7 +207,7 @@ class ModelRunner:
 
     def logits_of(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """fp32 logits [...] of the flat rows [...] of a cached pass (-1: garbage, which must not be used)."""
-        return self._checked(self.model.compute_logits(hidden[rows.clamp(min=0)]).float())
+        return self._checked(self.model.compute_logits(hidden[rows.clamp(min=0)], self.invariant_gemms).float())
 
     def _checked(self, logits: torch.Tensor) -> torch.Tensor:
         """The first forward's logits, checked once (one host sync in the runner's life): finite weights can still

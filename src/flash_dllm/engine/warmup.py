@@ -21,16 +21,17 @@ from ..cache.kv_cache import KVCache
 ROW_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 REQUEST_COUNTS = (1, 8)
 
-_compiled: weakref.WeakSet = weakref.WeakSet()  # models whose variants are compiled in this process
+# model -> the modes (batch-invariant or not) whose variants are compiled in this process
+_compiled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @torch.inference_mode()
 def compile_kernels(model, cache: KVCache, row_counts: tuple[int, ...] = ROW_COUNTS,
-                    request_counts: tuple[int, ...] = REQUEST_COUNTS):
+                    request_counts: tuple[int, ...] = REQUEST_COUNTS, ordered: bool = False):
     """Run the three kinds of cached pass (cache write; with tracked rows; verify, which writes no cache)
     through the kernels for each number of requests and rows per request, on the first cache rows (shared by
-    the requests). Call before any sequence holds cache rows."""
-    if model in _compiled:
+    the requests). ordered: the batch-invariant mode's variants. Call before any sequence holds cache rows."""
+    if ordered in _compiled.get(model, ()):
         return
     device = cache.k[0].device
     zeros = lambda *shape, dtype=torch.float32: torch.zeros(*shape, dtype=dtype, device=device)
@@ -42,11 +43,11 @@ def compile_kernels(model, cache: KVCache, row_counts: tuple[int, ...] = ROW_COU
         positions = torch.arange(rows, device=device).repeat(requests)
         shape = lambda **options: AttentionMetadata.build(
             FlatRows.from_counts([rows] * requests, device), zeros(requests, dtype=torch.long),
-            torch.full((requests,), rows, device=device), positions, rows, **options)
+            torch.full((requests,), rows, device=device), positions, rows, ordered=ordered, **options)
         model.forward_cached(ids, positions, shape(), cache, kernels=True)
         tracked = shape(track_rows=torch.ones(n, dtype=torch.bool, device=device))
         model.forward_cached(ids, positions, tracked, cache, key_mass=zeros(requests, rows), kernels=True)
         verify = shape(write_cache=False, hidden_keys=zeros(requests, rows, dtype=torch.bool),
                        self_visibility=torch.ones(requests, rows, rows, dtype=torch.bool, device=device))
         model.forward_cached(ids, positions, verify, cache, kernels=True)
-    _compiled.add(model)
+    _compiled.setdefault(model, set()).add(ordered)

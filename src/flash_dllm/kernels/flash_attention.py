@@ -13,6 +13,7 @@ import os
 import torch
 
 from ..cache.attention_metadata import AttentionMetadata
+from .attention import ordered_sum
 
 try:
     import triton
@@ -21,11 +22,15 @@ except ImportError:  # the package imports without triton; only the kernel needs
     triton = None
 
 
-def launch_config(max_q: int, verify: bool = False, num_seqs: int = 1, fp32: bool = False) -> dict:
+def launch_config(max_q: int, verify: bool = False, num_seqs: int = 1, fp32: bool = False,
+                  ordered: bool = False) -> dict:
     """Tile sizes by query rows per request, pass kind and batch (tuned on the H200 at LLaDA-8B shapes in bf16,
-    benchmarks/tune_kernels.py)."""
+    benchmarks/tune_kernels.py). ordered: one tiling for every pass (batch-invariant decoding: a row's keys are
+    then summed in the same tiles whatever the batch)."""
     if fp32:  # twice the bytes per tile: pipelined 128-key tiles of head dim 128 overflow the 227 KB of smem
-        return {**launch_config(max_q, verify, num_seqs), "BLOCK_N": 64, "num_stages": 1}
+        return {**launch_config(max_q, verify, num_seqs, ordered=ordered), "BLOCK_N": 64, "num_stages": 1}
+    if ordered:
+        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
     if verify and max_q > 64:  # 8 warps for its own keys and visibility mask: 0.34 against 0.54 ms at B=32, q=112
         if num_seqs >= 8:
             return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
@@ -64,7 +69,7 @@ def flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     hidden = hidden.contiguous().view(torch.uint8) if hidden is not None else q
     track_rows = metadata.track_rows.contiguous().view(torch.uint8) if track else q
     config = launch_config(metadata.max_q, verify=has_new, num_seqs=metadata.num_seqs,
-                           fp32=q.dtype == torch.float32)
+                           fp32=q.dtype == torch.float32, ordered=metadata.ordered)
     grid = (metadata.num_seqs, triton.cdiv(metadata.max_q, config["BLOCK_M"]), H)
     # Atomics would add the partial masses in a different order every run, and a near-tie in the tracked
     # set could then flip a token; partial rows summed after the launch give the same mass every time.
@@ -79,8 +84,8 @@ def flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         GROUP=group, HAS_HIDDEN=metadata.hidden_keys is not None, HAS_NEW=has_new, TRACK=track,
         BLOCK_D=max(16, triton.next_power_of_2(D)),
         DOT_FP32=q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1", **config)
-    if track:
-        key_mass += partial.sum(dim=1)
+    if track:  # ordered: the rows of the other requests' extra query tiles are zeros after this one's
+        key_mass += ordered_sum(partial, dim=1) if metadata.ordered else partial.sum(dim=1)
     return out
 
 

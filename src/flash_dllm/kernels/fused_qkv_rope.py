@@ -12,6 +12,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from .invariant_matmul import invariant_matmul
 from .rope_cache_write import rope_cache_write, rope_cache_write_ref, rope_inv_freq
 
 try:
@@ -43,9 +44,13 @@ FUSED_MAX_ROWS = 64
 
 def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
              slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
-             rope_theta: float) -> torch.Tensor:
+             rope_theta: float, invariant: bool = False) -> torch.Tensor:
     """fused_qkv_rope_ref by the faster kernels for this many rows: the fused kernel for a few, else the
-    GEMM and the epilogue kernel."""
+    GEMM and the epilogue kernel. invariant: the batch-invariant GEMM and the epilogue, at any row count."""
+    if invariant:
+        qkv = invariant_matmul(x, weight)
+        return rope_cache_write(qkv if bias is None else qkv + bias, positions, slot_mapping, k_cache, v_cache,
+                                num_heads, rope_theta)
     if x.shape[0] <= FUSED_MAX_ROWS:
         return fused_qkv_rope(x, weight, bias, positions, slot_mapping, k_cache, v_cache, num_heads, rope_theta)
     return rope_cache_write(F.linear(x, weight, bias), positions, slot_mapping, k_cache, v_cache, num_heads,

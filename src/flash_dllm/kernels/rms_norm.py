@@ -24,8 +24,11 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return weight * x if bias is None else weight * x + bias
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """The Triton kernel of rms_norm_ref (same arguments, same result). Graph capturable: no host syncs."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
+             invariant: bool = False) -> torch.Tensor:
+    """The Triton kernel of rms_norm_ref (same arguments, same result). Graph capturable: no host syncs.
+    invariant: one row per program whatever the row count, so that a row is summed the same way in any batch
+    (several rows a program when d is small would change the warps, and the sum's order, with the count)."""
     if triton is None:
         raise RuntimeError("rms_norm needs triton; use rms_norm_ref")
     d = x.shape[-1]
@@ -38,7 +41,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, e
     if N == 0:
         return out.view(x.shape)
     block_d = triton.next_power_of_2(d)
-    block_n = min(triton.next_power_of_2(N), max(1, 4096 // block_d))  # several rows a program when d is small
+    block_n = 1 if invariant else min(triton.next_power_of_2(N), max(1, 4096 // block_d))  # rows a program
     _rms_norm_kernel[(triton.cdiv(N, block_n),)](
         x2, weight, bias if bias is not None else weight, out, N, x2.stride(0), out.stride(0), d, eps,
         HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_D=block_d,

@@ -12,13 +12,12 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..cache.attention_metadata import AttentionMetadata
 from ..cache.kv_cache import KVCache
 from ..config import ModelConfig
-from .layers import DecoderLayer, PackedLinear, RMSNorm, Rotary, rotary_cos_sin
+from .layers import DecoderLayer, PackedLinear, RMSNorm, Rotary, linear, rotary_cos_sin
 
 
 def refuse_unsupported(cfg: dict, implemented: dict):
@@ -53,12 +52,14 @@ class DiffusionLM(nn.Module):
                                                                       bias=cfg.linear_bias)
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
-                      attention_mask: torch.Tensor | None = None, ordered: bool = False) -> torch.Tensor:
+                      attention_mask: torch.Tensor | None = None, ordered: bool = False,
+                      kernels: bool = False) -> torch.Tensor:
         """input_ids [B, L] -> final-normed hidden states [B, L, d].
 
         positions [B, L] are the RoPE positions (default 0..L-1); attention_mask [B, L] is True for the
         keys a row may attend to (False for padding). ordered: attention sums over keys in one fixed order
-        (batch-invariant decoding, kernels/attention.py).
+        (batch-invariant decoding, kernels/attention.py); with `kernels`, every sum of the pass through the
+        Triton kernels in one tiling (the GPU's way to the same property).
         """
         B, L = input_ids.shape
         if positions is None:
@@ -67,8 +68,9 @@ class DiffusionLM(nn.Module):
         attn_mask = None if attention_mask is None else attention_mask[:, None, None, :]
         x = self.embed(input_ids)
         for layer in self.layers:
-            x = layer(x, cos, sin, attn_mask, ordered)
-        return self.final_norm(x)
+            x = layer(x, cos, sin, attn_mask, ordered, kernels)
+        invariant = ordered and kernels
+        return self.final_norm(x, invariant, invariant)
 
     def forward_cached(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
                        cache: KVCache, key_mass: torch.Tensor | None = None, kernels: bool = False) -> torch.Tensor:
@@ -83,12 +85,13 @@ class DiffusionLM(nn.Module):
         x = self.embed(input_ids)
         for layer in self.layers:
             x = layer.forward_cached(x, rope, metadata, cache, key_mass, kernels)
-        return self.final_norm(x, kernels)
+        return self.final_norm(x, kernels, metadata.ordered and kernels)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., d] -> logits [..., V]; called only on the rows whose logits are used."""
+    def compute_logits(self, hidden: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+        """hidden [..., d] -> logits [..., V]; called only on the rows whose logits are used. invariant: through
+        the batch-invariant GEMM."""
         head = self.embed if self.lm_head is None else self.lm_head
-        return F.linear(hidden, head.weight, getattr(head, "bias", None))
+        return linear(hidden, head.weight, getattr(head, "bias", None), invariant)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -19,6 +19,7 @@ from ..config import ModelConfig
 from ..kernels.attention import ordered_attention, ragged_attention_ref
 from ..kernels.flash_attention import flash_attention
 from ..kernels.fused_qkv_rope import qkv_rope
+from ..kernels.invariant_matmul import invariant_matmul
 from ..kernels.rms_norm import rms_norm, rms_norm_ref
 from ..kernels.silu_mul import silu_mul, silu_mul_ref
 
@@ -30,9 +31,24 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
 
-    def forward(self, x: torch.Tensor, kernels: bool = False) -> torch.Tensor:
-        """`kernels`: the Triton kernel (one launch) instead of its PyTorch reference (normed in fp32)."""
-        return (rms_norm if kernels else rms_norm_ref)(x, self.weight, self.bias, self.eps)
+    def forward(self, x: torch.Tensor, kernels: bool = False, invariant: bool = False) -> torch.Tensor:
+        """`kernels`: the Triton kernel (one launch) instead of its PyTorch reference (normed in fp32);
+        `invariant`: with one row per program (batch-invariant decoding)."""
+        if kernels:
+            return rms_norm(x, self.weight, self.bias, self.eps, invariant)
+        return rms_norm_ref(x, self.weight, self.bias, self.eps)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, invariant: bool) -> torch.Tensor:
+    """F.linear, or with `invariant` the batch-invariant GEMM (a row's result the same in any batch)."""
+    if not invariant:
+        return F.linear(x, weight, bias)
+    out = invariant_matmul(x, weight)
+    return out if bias is None else out + bias
+
+
+def project(module: nn.Linear, x: torch.Tensor, invariant: bool) -> torch.Tensor:
+    return linear(x, module.weight, module.bias, invariant)
 
 
 class PackedLinear(nn.Linear):
@@ -91,14 +107,20 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.linear_bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attn_mask: torch.Tensor | None, ordered: bool = False) -> torch.Tensor:
+                attn_mask: torch.Tensor | None, ordered: bool = False, kernels: bool = False) -> torch.Tensor:
         """x [B, L, d] -> [B, L, d]; attn_mask [B, 1, 1, L] True for the keys a row may see. ordered: every sum
-        over keys in one fixed order (batch-invariant decoding)."""
+        over keys in one fixed order (batch-invariant decoding); with `kernels`, through the Triton kernels
+        (the invariant GEMM, and the flash attention kernel over each row's own keys)."""
         B, L, _ = x.shape
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
-        q = apply_rotary(q.view(B, L, self.num_heads, self.head_dim), cos, sin).transpose(1, 2)
-        k = apply_rotary(k.view(B, L, self.num_kv_heads, self.head_dim), cos, sin).transpose(1, 2)
-        v = v.view(B, L, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        invariant = ordered and kernels
+        q, k, v = project(self.qkv_proj, x, invariant).split(self.qkv_proj.output_sizes, dim=-1)
+        q = apply_rotary(q.view(B, L, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(B, L, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(B, L, self.num_kv_heads, self.head_dim)
+        if invariant:
+            out = self._kernel_full_attention(q, k, v, attn_mask)
+            return project(self.o_proj, out.reshape(B, L, -1), invariant)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if self.num_kv_heads != self.num_heads:  # GQA: kv head j serves query heads j*g .. j*g+g-1
             group = self.num_heads // self.num_kv_heads
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
@@ -109,10 +131,26 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # bidirectional
         return self.o_proj(out.transpose(1, 2).reshape(B, L, -1))
 
-    def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _kernel_full_attention(self, q, k, v, attn_mask) -> torch.Tensor:
+        """q [B, L, H, D], k, v [B, L, Hkv, D] -> [B, L, H, D]: each row over its own row's keys as attn_mask
+        allows, through the flash attention kernel (a pass of B requests with no cache keys, every key a pass
+        row), in one tiling: the same sums whatever the batch, for rows whose tokens come first."""
+        B, L = q.shape[:2]
+        device = q.device
+        visible = (torch.ones(B, L, L, dtype=torch.bool, device=device) if attn_mask is None
+                   else attn_mask[:, 0].expand(B, L, L))
+        flat = lambda t: t.reshape(B * L, *t.shape[2:])
+        no_keys = torch.zeros(B, dtype=torch.long, device=device)
+        metadata = AttentionMetadata(cu_seqlens_q=torch.arange(B + 1, device=device) * L, kv_start=no_keys,
+                                     kv_len=no_keys, slot_mapping=torch.arange(B * L, device=device), max_q=L,
+                                     max_kv=0, write_cache=False, self_visibility=visible, ordered=True)
+        k, v = flat(k), flat(v)
+        return flash_attention(flat(q), k, v, metadata, k_new=k, v_new=v).view(B, L, *q.shape[2:])
+
+    def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         """The rotated queries [..., H, D] of normed hidden states x [..., d] (no cache access)."""
         proj, rows = self.qkv_proj, self.qkv_proj.rows(0)
-        q = F.linear(x, proj.weight[rows], None if proj.bias is None else proj.bias[rows])
+        q = linear(x, proj.weight[rows], None if proj.bias is None else proj.bias[rows], invariant)
         return apply_rotary(q.unflatten(-1, (self.num_heads, self.head_dim)), cos, sin)
 
     def forward_cached(self, x: torch.Tensor, rope: Rotary, metadata: AttentionMetadata, cache: KVCache,
@@ -120,7 +158,8 @@ class Attention(nn.Module):
         """x [N, d] flat query rows: write their K/V to the cache (unless the metadata says not to) and attend
         over each request's cache range. `kernels`: the Triton kernels instead of their PyTorch references."""
         if kernels:
-            return self.o_proj(self._kernel_attention(x, rope, metadata, cache, key_mass).flatten(1))
+            out = self._kernel_attention(x, rope, metadata, cache, key_mass).flatten(1)
+            return project(self.o_proj, out, metadata.ordered)
         N = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
         q = apply_rotary(q.view(N, self.num_heads, self.head_dim), rope.cos, rope.sin)
@@ -138,7 +177,7 @@ class Attention(nn.Module):
         k_cache, v_cache = cache.k[self.layer], cache.v[self.layer]
         project = lambda slots, k_out, v_out: qkv_rope(
             x, self.qkv_proj.weight, self.qkv_proj.bias, rope.positions, slots, k_out, v_out, self.num_heads,
-            self.rope_theta)
+            self.rope_theta, invariant=metadata.ordered)
         if metadata.write_cache:
             q = project(metadata.slot_mapping, k_cache, v_cache)
             return flash_attention(q, k_cache, v_cache, metadata, key_mass)
@@ -156,8 +195,10 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = PackedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=cfg.linear_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.linear_bias)
 
-    def forward(self, x: torch.Tensor, kernels: bool = False) -> torch.Tensor:
-        return self.down_proj((silu_mul if kernels else silu_mul_ref)(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, kernels: bool = False, invariant: bool = False) -> torch.Tensor:
+        """`invariant`: the batch-invariant GEMMs (with the kernels on)."""
+        gated = (silu_mul if kernels else silu_mul_ref)(project(self.gate_up_proj, x, invariant))
+        return project(self.down_proj, gated, invariant)
 
 
 class DecoderLayer(nn.Module):
@@ -170,16 +211,21 @@ class DecoderLayer(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_bias)
         self.mlp = GatedMLP(cfg)
 
-    def forward(self, x, cos, sin, attn_mask, ordered: bool = False):
-        x = x + self.attention(self.attn_norm(x), cos, sin, attn_mask, ordered)
-        return x + self.mlp(self.mlp_norm(x))
+    def forward(self, x, cos, sin, attn_mask, ordered: bool = False, kernels: bool = False):
+        """ordered: batch-invariant sums; with `kernels` (the only way on the GPU) through the Triton kernels."""
+        invariant = ordered and kernels
+        x = x + self.attention(self.attn_norm(x, invariant, invariant), cos, sin, attn_mask, ordered, kernels)
+        return x + self.mlp(self.mlp_norm(x, invariant, invariant), invariant, invariant)
 
     def forward_cached(self, x: torch.Tensor, rope: Rotary, metadata: AttentionMetadata, cache: KVCache,
                        key_mass: torch.Tensor | None, kernels: bool = False) -> torch.Tensor:
-        """`kernels`: the norms, attention and MLP activation through the Triton kernels."""
-        x = x + self.attention.forward_cached(self.attn_norm(x, kernels), rope, metadata, cache, key_mass, kernels)
-        return x + self.mlp(self.mlp_norm(x, kernels), kernels)
+        """`kernels`: the norms, attention and MLP activation through the Triton kernels (and with
+        metadata.ordered, the batch-invariant GEMMs)."""
+        invariant = metadata.ordered and kernels
+        x = x + self.attention.forward_cached(self.attn_norm(x, kernels, invariant), rope, metadata, cache, key_mass,
+                                              kernels)
+        return x + self.mlp(self.mlp_norm(x, kernels, invariant), kernels, invariant)
 
-    def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         """The rotated queries [..., H, D] this layer computes from its input hidden states x [..., d]."""
-        return self.attention.queries(self.attn_norm(x), cos, sin)
+        return self.attention.queries(self.attn_norm(x, invariant, invariant), cos, sin, invariant)

@@ -1,0 +1,123 @@
+"""x @ w.T with every output row's sums in one order, whatever the number of rows (Triton), beside its reference.
+
+cuBLAS picks its kernel, tile and split over K by the shape, so the same row comes out rounded differently in a
+batch of 1 and of 32 (issue 16). Here K is never split: program (row tile, column tile) walks K left to right
+with an fp32 accumulator, and the tensor cores add one 16-wide K slice per instruction into it, so an output
+element is the same chain of additions whatever the tile's rows, columns or K step. The tiling can then follow
+the number of rows (few rows: narrow column tiles, so that every SM streams weights; many: large tiles), and a
+row's result still depends only on the row and the weights; it is also the same from run to run.
+`benchmarks/invariant_matmul_configs.py` checks that on the GPU (every config bit-identical) and picks them.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the reference works without triton; only the kernel needs it
+    triton = None
+
+# Per dtype, (most rows, tiling) pairs, the first that fits is used; picked on the H200 at LLaDA-8B's shapes by
+# benchmarks/invariant_matmul_configs.py --write. fp32 (FMA, not tensor cores) sums in K order under any tiling.
+CONFIGS = {getattr(torch, dtype): [(most, config) for most, config in table]
+           for dtype, table in json.loads((Path(__file__).parent / "invariant_matmul.json").read_text()).items()}
+GROUP_M = 8  # row tiles that walk the column tiles together (weight tiles reused from L2)
+
+
+def invariant_matmul_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ w [N, K].T -> [..., N] in x's dtype, fp32 sums (F.linear without bias)."""
+    return (x.float() @ w.float().T).to(x.dtype)
+
+
+def config_for(rows: int, dtype: torch.dtype) -> dict:
+    return next(config for most, config in CONFIGS[dtype] if most is None or rows <= most)
+
+
+def invariant_matmul(x: torch.Tensor, w: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+    """The Triton kernel of invariant_matmul_ref (same arguments, same result within rounding); row i of the
+    result is bit-identical for any number of rows. Graph capturable: no host syncs. config: a tiling other
+    than the table's (the config search)."""
+    if triton is None:
+        raise RuntimeError("invariant_matmul needs triton; use invariant_matmul_ref")
+    K = x.shape[-1]
+    assert w.shape[1] == K and w.dtype == x.dtype
+    a = x.reshape(-1, K)
+    if a.stride(-1) != 1:
+        a = a.contiguous()
+    M, N = a.shape[0], w.shape[0]
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out.view(*x.shape[:-1], N)
+    config = config or config_for(M, x.dtype)
+    grid = (triton.cdiv(M, config["BLOCK_M"]) * triton.cdiv(N, config["BLOCK_N"]),)
+    if w.stride(1) != 1:
+        w = w.contiguous()
+    dot_fp32 = x.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
+    _invariant_matmul_kernel[grid](a, w, out, M, N, K, a.stride(0), w.stride(0), out.stride(0), GROUP_M=GROUP_M,
+                                   EVEN_K=K % config["BLOCK_K"] == 0, DOT_FP32=dot_fp32, **{"SWAP": False, **config})
+    return out.view(*x.shape[:-1], N)
+
+
+if triton is not None:
+    # M varies by step and is not specialised on (one compile for every row count); the strides are (their
+    # divisibility lets the loads vectorise).
+    @triton.jit(do_not_specialize=["M"])
+    def _invariant_matmul_kernel(a_ptr, w_ptr, out_ptr, M, N, K, stride_am, stride_wn, stride_om,
+                                 GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                 BLOCK_K: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr,
+                                 DOT_FP32: tl.constexpr):
+        # Grouped order: GROUP_M row tiles take the column tiles in turn, so a weight tile is read from HBM once
+        # per group. The order decides only which program runs when, never how a row is summed.
+        pid = tl.program_id(0)
+        tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+        group = pid // (GROUP_M * tiles_n)
+        first_m = group * GROUP_M
+        group_size = tl.minimum(tiles_m - first_m, GROUP_M)
+        tile_m = first_m + (pid % (GROUP_M * tiles_n)) % group_size
+        tile_n = (pid % (GROUP_M * tiles_n)) // group_size
+        o_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        o_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        o_k = tl.arange(0, BLOCK_K)
+        m_m = o_m < M
+        w_rows = tl.where(o_n < N, o_n, 0).to(tl.int64) * stride_wn  # columns past the end read column 0
+        if SWAP:  # few rows: the weight tile is the product's rows, the input rows its columns (out.T per tile)
+            a_ptrs = a_ptr + o_m.to(tl.int64)[None, :] * stride_am + o_k[:, None]
+            w_ptrs = w_ptr + w_rows[:, None] + o_k[None, :]
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        else:
+            a_ptrs = a_ptr + o_m.to(tl.int64)[:, None] * stride_am + o_k[None, :]
+            w_ptrs = w_ptr + w_rows[None, :] + o_k[:, None]
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BLOCK_K)):  # left to right, one BLOCK_K step at a time
+            in_k = o_k < K - k * BLOCK_K
+            if SWAP:
+                if EVEN_K:  # the weights' loads unmasked
+                    b_w, b_a = tl.load(w_ptrs), tl.load(a_ptrs, mask=m_m[None, :], other=0.0)
+                else:
+                    b_w = tl.load(w_ptrs, mask=in_k[None, :], other=0.0)
+                    b_a = tl.load(a_ptrs, mask=m_m[None, :] & in_k[:, None], other=0.0)
+                left, right = b_w, b_a
+            else:
+                if EVEN_K:
+                    b_w, b_a = tl.load(w_ptrs), tl.load(a_ptrs, mask=m_m[:, None], other=0.0)
+                else:
+                    b_w = tl.load(w_ptrs, mask=in_k[:, None], other=0.0)
+                    b_a = tl.load(a_ptrs, mask=m_m[:, None] & in_k[None, :], other=0.0)
+                left, right = b_a, b_w
+            if DOT_FP32:  # fp32 operands (exact products: no tf32); the interpreter's 16-bit tl.dot is wrong
+                acc = tl.dot(left.to(tl.float32), right.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(left, right, acc)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        out = acc.to(out_ptr.dtype.element_ty)
+        o_m64 = o_m.to(tl.int64)
+        if SWAP:
+            tl.store(out_ptr + o_m64[None, :] * stride_om + o_n[:, None], out, mask=m_m[None, :] & (o_n < N)[:, None])
+        else:
+            tl.store(out_ptr + o_m64[:, None] * stride_om + o_n[None, :], out, mask=m_m[:, None] & (o_n < N)[None, :])

@@ -1,0 +1,51 @@
+"""The batch-invariant GEMM against its reference, and a row's result the same for any number of rows."""
+from kernel_testing import BUDGET, DEVICE, rel_err  # first: it picks the interpreter on the CPU
+
+import pytest
+import torch
+
+from flash_dllm.kernels.invariant_matmul import config_for, invariant_matmul, invariant_matmul_ref
+
+SHAPES = {"one-row": (1, 40, 72), "ragged": (70, 130, 200), "wide": (9, 64, 300)}  # (M, K, N), tiles cut
+
+
+def operands(M, K, N, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(M, K, generator=g).to(dtype).to(DEVICE), torch.randn(N, K, generator=g).to(dtype).to(DEVICE))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_matches_reference(shape, dtype):
+    x, w = operands(*SHAPES[shape], dtype)
+    assert rel_err(invariant_matmul(x, w), invariant_matmul_ref(x, w)) < BUDGET[dtype]
+
+
+def test_leading_dims_and_no_rows():
+    x, w = operands(12, 40, 24, torch.float32)
+    assert torch.equal(invariant_matmul(x.view(3, 4, 40), w), invariant_matmul(x, w).view(3, 4, 24))
+    assert invariant_matmul(x[:0], w).shape == (0, 24)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_is_the_same_in_any_batch(dtype):
+    x, w = operands(70, 130, 200, dtype)
+    batched = invariant_matmul(x, w)
+    for rows in (slice(0, 1), slice(37, 38), slice(60, 70), slice(3, 68)):
+        assert torch.equal(invariant_matmul(x[rows], w), batched[rows])
+    assert torch.equal(invariant_matmul(x, w), batched)  # and run to run
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("K", [200, 256])  # K cut by the K step, and not
+def test_every_tiling_gives_the_same_bits(dtype, K):
+    """The table may pick the tiling by the number of rows only because no tiling of rows and columns changes an
+    element's sums (the K step is the dtype's one: the interpreter sums a K step at once)."""
+    x, w = operands(70, K, 200, dtype)
+    k_step = config_for(1, dtype)["BLOCK_K"]
+    tilings = [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k_step, SWAP=swap, num_warps=4, num_stages=3)
+               for m, n, swap in ((64, 32, False), (64, 128, False), (128, 64, False), (32, 64, False),
+                                  (16, 64, True), (64, 128, True))]
+    first = invariant_matmul(x, w, tilings[0])
+    for tiling in tilings[1:]:
+        assert torch.equal(invariant_matmul(x, w, tiling), first), tiling
