@@ -21,6 +21,8 @@ class Counters:
     step_in_block: torch.Tensor
     steps: torch.Tensor          # denoising steps so far (also the sampling noise counter)
     nfe: torch.Tensor            # forward passes so far
+    prompt_keys_read: torch.Tensor   # routed prompt keys read, over passes, layers and KV heads (cache/routing.py)
+    prompt_keys_dense: torch.Tensor  # the same had every prompt key been read
 
     @classmethod
     def zeros(cls, device) -> Counters:

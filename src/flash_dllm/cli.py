@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from .decoding.registry import DEFAULT_METHOD, METHODS, method_of
+from .cache.routing import POLICIES
 from .sampling_params import SamplingParams, knobs
 
 
@@ -24,8 +25,8 @@ def add_model_args(parser: argparse.ArgumentParser):
     parser.add_argument("--kv-cache-bytes", type=int, default=None,
                         help="KV cache budget of the cached methods (default: 40%% of free GPU memory, 1 GiB on CPU)")
     parser.add_argument("--batch-invariant", action="store_true",
-                        help="the same tokens alone or in any batch, in any dtype (on a GPU through the Triton kernels; "
-                             "Elastic-Cache on the CPU only)")
+                        help="the same tokens alone or in any batch, in any dtype (on a GPU through the Triton "
+                             "kernels; Elastic-Cache on the CPU only)")
 
 
 def llm_from_args(args, default_device: str | None = None, **options):
@@ -46,6 +47,10 @@ def add_sampling_args(parser: argparse.ArgumentParser):
     g.add_argument("--block-length", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--kv-routing", choices=POLICIES, help="read only the prompt's KV chunks that each step's "
+                   "queries may need (cached methods; default: dense)")
+    g.add_argument("--kv-budget", type=float, default=0.125,
+                   help="with --kv-routing: the fraction of the prompt's keys a step reads, in (0, 1]")
     for name, knob in knobs().items():
         readers: dict = {}
         for method, default in knob.defaults.items():
@@ -58,7 +63,8 @@ def add_sampling_args(parser: argparse.ArgumentParser):
 def sampling_params_from_args(args) -> SamplingParams:
     given = {name: getattr(args, name) for name in knobs() if getattr(args, name) is not None}
     return SamplingParams(method=args.method, max_tokens=args.max_tokens, block_length=args.block_length,
-                          temperature=args.temperature, seed=args.seed, **given)
+                          temperature=args.temperature, seed=args.seed, kv_routing=args.kv_routing,
+                          kv_budget=args.kv_budget, **given)
 
 
 def read_prompts(args) -> list[tuple[str, object, str | None]]:
@@ -288,9 +294,15 @@ def add_eval_args(parser: argparse.ArgumentParser):
     parser.add_argument("--task", required=True, choices=EVAL_TASKS)
     parser.add_argument("--data", help="mbpp: a local jsonl in the standard MBPP format (else the Hugging Face hub)")
     parser.add_argument("--limit", type=int, help="the first N items only")
+    parser.add_argument("--passkey-length", type=int, help="passkey: the items of this prompt length only")
     parser.add_argument("--batch-size", type=int, default=32, help="most requests decoded together")
     parser.add_argument("--no-chat-template", action="store_true", help="plain few-shot text prompts")
     parser.add_argument("--no-progress", action="store_true")
+
+
+def check_passkey_length(args):
+    if args.passkey_length is not None and args.task != "passkey":
+        raise SystemExit(f"--passkey-length selects passkey items; task {args.task!r} has none")
 
 
 def load_eval_llm(args, ctx):
@@ -307,10 +319,12 @@ def cmd_eval(args):
     if args.max_tokens is None:  # the field's generation length for the task
         args.max_tokens = get_benchmark(args.task).max_tokens
     params = sampling_params_from_args(args)
+    check_passkey_length(args)
     ctx = init_from_env()
     try:
         llm = load_eval_llm(args, ctx)
         result = evaluate(llm, args.task, params, data=args.data, limit=args.limit, ctx=ctx,
+                          length=args.passkey_length,
                           progress=not args.no_progress)
         if ctx.is_main:
             if args.output:
@@ -330,11 +344,12 @@ def cmd_sweep(args):
     max_tokens = args.max_tokens or get_benchmark(args.task).max_tokens
     points = grid(args.methods, values, max_tokens=max_tokens, block_length=args.block_length,
                   temperature=args.temperature, seed=args.seed)
+    check_passkey_length(args)
     ctx = init_from_env()
     try:
         llm = load_eval_llm(args, ctx)
         rows = run_sweep(llm, args.task, points, args.out_dir, data=args.data, limit=args.limit, ctx=ctx,
-                         progress=not args.no_progress)
+                         progress=not args.no_progress, length=args.passkey_length)
         if ctx.is_main:
             print((Path(args.out_dir) / "sweep.md").read_text())
             print(f"{len(rows)} points: wrote {args.out_dir}/sweep.png, sweep.md, sweep.json and points/",

@@ -45,6 +45,7 @@ class RequestOutput:
     time_s: float              # wall time from admission to finish
     index: int = 0             # the prompt's position in its generate call
     error: str | None = None   # why the request failed (finish_reason "error"): "prompt N: ..."
+    prompt_kv_read: float | None = None  # with kv_routing: the fraction of the prompt's KV bytes read
 
     @classmethod
     def failed(cls, index: int, prompt: Prompt, error: str) -> RequestOutput:
@@ -240,4 +241,4 @@ class LLM:
             request_id=seq.request_id, prompt=prompt, prompt_token_ids=seq.prompt_ids,
             text=self.decode(seq.output_ids), token_ids=seq.output_ids, finish_reason=seq.finish_reason,
             nfe=seq.nfe, steps=seq.steps, query_rows=seq.query_rows, time_s=seq.finish_time - seq.start_time,
-            index=index)
+            index=index, prompt_kv_read=seq.prompt_kv_read)

@@ -5,6 +5,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from .cache.routing import POLICIES
 from .decoding.base import check, check_type
 from .decoding.registry import DEFAULT_METHOD, METHODS, method_of
 
@@ -18,6 +19,10 @@ class SamplingParams:
     block_length: semi-autoregressive block size; blocks are decoded left to right (a method without
         blocks, elastic, ignores it).
     temperature: 0 is greedy; > 0 samples with Gumbel-max noise in float64, reproducible per `seed`.
+    kv_routing: None (dense) or how a cached method reads the prompt's KV: "chunk", "centroid", "window" or
+        "random" (cache/routing.py); only the prompt's chunks that the step's queries may need are read.
+    kv_budget: with kv_routing, the fraction of the prompt's keys each step reads, in (0, 1] (sinks and the
+        recent window included; 1 reads every chunk).
     settings: the method's settings dataclass (its knobs and their defaults: `method_of(method).Settings`).
         Knobs may also be given as keywords, `SamplingParams(method="flash-cache", tracking_budget=40)`; a
         knob that the method does not read is an error.
@@ -28,10 +33,13 @@ class SamplingParams:
     block_length: int
     temperature: float
     seed: int
+    kv_routing: str | None
+    kv_budget: float
     settings: Any
 
     def __init__(self, method: str = DEFAULT_METHOD, max_tokens: int = 128, block_length: int = 32,
-                 temperature: float = 0.0, seed: int = 0, settings: Any = None, **given):
+                 temperature: float = 0.0, seed: int = 0, kv_routing: str | None = None, kv_budget: float = 0.125,
+                 settings: Any = None, **given):
         decoding = method_of(method)
         if given:
             check(settings is None, "give the method's knobs either as `settings` or as keywords, not both")
@@ -41,7 +49,8 @@ class SamplingParams:
         check(type(settings) is decoding.Settings,
                f"settings of method {method!r} are {decoding.Settings.__name__}, got {type(settings).__name__}")
         for name, value in (("method", method), ("max_tokens", max_tokens), ("block_length", block_length),
-                            ("temperature", temperature), ("seed", seed), ("settings", settings)):
+                            ("temperature", temperature), ("seed", seed), ("kv_routing", kv_routing),
+                            ("kv_budget", kv_budget), ("settings", settings)):
             if name != "settings":
                 check_type(name, value, self.__dataclass_fields__[name].type)
             object.__setattr__(self, name, value)
@@ -51,6 +60,12 @@ class SamplingParams:
                f"max_tokens ({max_tokens}) must be a multiple of block_length ({block_length})")
         check(temperature >= 0, f"temperature must be >= 0, got {temperature}")
         check(0 <= seed < 1 << 63, f"seed must be in [0, 2**63), got {seed}")
+        check(kv_routing is None or kv_routing in POLICIES,
+              f"kv_routing must be None or one of {', '.join(POLICIES)}, got {kv_routing!r}")
+        check(0 < kv_budget <= 1, f"kv_budget must be in (0, 1], got {kv_budget}")
+        check(kv_routing is None or decoding.uses_cache,
+              f"kv_routing routes the KV cache's prompt keys: method {method!r} keeps no cache; use one of "
+              f"{', '.join(m.name for m in METHODS.values() if m.uses_cache)}")
         decoding.validate(self)
 
     @property
@@ -65,7 +80,7 @@ class SamplingParams:
     def to_dict(self) -> dict:
         """The common fields and the method's knobs, flat (as keywords would give them)."""
         common = {name: getattr(self, name) for name in ("method", "max_tokens", "block_length", "temperature",
-                                                         "seed")}
+                                                         "seed", "kv_routing", "kv_budget")}
         return {**common, **dataclasses.asdict(self.settings)}
 
 

@@ -130,8 +130,10 @@ def test_refresh_is_a_forward_from_the_cached_inputs(deep_checkpoint):
     k_before = [k.clone() for k in cache.k]
     width = max(lengths)
     columns = torch.arange(width)
+    params = SamplingParams(method="elastic")
     batch = SimpleNamespace(tokens=torch.zeros(3, width, dtype=torch.long), lengths=torch.tensor(lengths),
-                            cache_base=torch.tensor(bases), rows=[SimpleNamespace(length=n) for n in lengths],
+                            cache_base=torch.tensor(bases), rows=[SimpleNamespace(length=n, params=params)
+                                                                  for n in lengths],
                             attention_mask=columns >= width - torch.tensor(lengths)[:, None],
                             count_query_rows=lambda counts: None)
     key_mass = torch.zeros(cfg.num_layers, 3, width)

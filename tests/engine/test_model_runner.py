@@ -7,15 +7,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from flash_dllm import SamplingParams
 from flash_dllm.config import PRESETS
 from flash_dllm.engine.model_runner import ModelRunner
 from flash_dllm.models import LLaDAModel, build_model, parse_config
 
 
 def batch_of(tokens: torch.Tensor, lengths: list[int], bases: list[int]):
-    """What `prepare` reads of a DecodeBatch: left-padded tokens [B, W], lengths, cache bases."""
-    return SimpleNamespace(tokens=tokens, lengths=torch.tensor(lengths), cache_base=torch.tensor(bases),
-                           rows=[SimpleNamespace(length=n) for n in lengths], max_length=max(lengths))
+    """What `prepare` reads of a DecodeBatch: left-padded tokens [B, W], lengths, cache bases, each row's
+    length and settings (dense prompt KV here)."""
+    rows = [SimpleNamespace(length=n, params=SamplingParams(method="dual-cache")) for n in lengths]
+    return SimpleNamespace(tokens=tokens, lengths=torch.tensor(lengths), cache_base=torch.tensor(bases), rows=rows,
+                           max_length=max(lengths))
 
 
 def test_prepare_builds_rows_and_metadata_from_counts():

@@ -121,3 +121,31 @@ def test_no_rows_and_verify_mass_refused():
     assert flash_attention(q, k_cache, v_cache, table).shape == (0, 2, 16)
     with pytest.raises(ValueError):
         flash_attention(q, k_cache, v_cache, table, key_mass=torch.zeros(2, 4), k_new=q, v_new=q)
+
+
+def routed_masks(q, k_cache, table, seed=2):
+    """Random routed keys [B, Hkv, max_kv] (about half) and rows that read every key [N] (about a quarter)."""
+    g = torch.Generator().manual_seed(seed)
+    B, Hkv = table.kv_start.shape[0], k_cache.shape[1]
+    visible = (torch.rand(B, Hkv, table.max_kv, generator=g) < 0.5).to(DEVICE)
+    dense = (torch.rand(q.shape[0], generator=g) < 0.25).to(DEVICE)
+    return dict(key_visible=visible, dense_rows=dense)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", ["ragged-gqa", "two-query-tiles", "dream-gqa-7"])
+def test_routed_keys_match_reference(case, dtype):
+    """Each KV head reads only its routed keys, except the rows that read every key; with the key mass, and in
+    the verify pass (whose hidden keys stay hidden for every row)."""
+    q, k_cache, v_cache, table = make_batch(*CASES[case], dtype)
+    routing = routed_masks(q, k_cache, table)
+    mass, ref_mass = (torch.zeros(table.kv_start.shape[0], table.max_kv, device=DEVICE) for _ in range(2))
+    out = flash_attention(q, k_cache, v_cache, table, mass, **routing)
+    ref = ragged_attention_ref(q, k_cache, v_cache, table, ref_mass, **routing)
+    assert rel_err(out, ref) < BUDGET[dtype] and rel_err(mass, ref_mass) < BUDGET[dtype]
+    q, k_cache, v_cache, table = make_batch(*CASES[case], dtype, verify=True)
+    k_new, v_new = new_keys_and_values(q, k_cache)
+    routing = routed_masks(q, k_cache, table)
+    out = flash_attention(q, k_cache, v_cache, table, k_new=k_new, v_new=v_new, **routing)
+    ref = ragged_attention_ref(q, k_cache, v_cache, table, k_new=k_new, v_new=v_new, **routing)
+    assert rel_err(out, ref) < BUDGET[dtype]

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .routing import PromptRouting
+
 
 def device_tensor(values: list[int], device) -> torch.Tensor:
     """A short host list of ints on the device without waiting for the GPU: a plain copy synchronises the
@@ -59,7 +61,10 @@ class AttentionMetadata:
     own rows as `self_visibility` [B, max_q, max_q] allows (query row i sees pass row j), both in each
     request's padded row order.
 
-    ordered: every sum over keys in one fixed order (batch-invariant decoding, the PyTorch reference only).
+    ordered: every sum over keys in one fixed order (batch-invariant decoding).
+
+    routing (optional): the requests whose prompt keys are routed (cache/routing.py): each layer opens, per
+    request and KV head, only the prompt's chunks that the pass's queries may need.
     """
 
     cu_seqlens_q: torch.Tensor  # [B + 1]
@@ -73,6 +78,7 @@ class AttentionMetadata:
     hidden_keys: torch.Tensor | None = None
     self_visibility: torch.Tensor | None = None
     ordered: bool = False
+    routing: PromptRouting | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -82,7 +88,8 @@ class AttentionMetadata:
     def build(cls, rows: FlatRows, kv_start: torch.Tensor, kv_len: torch.Tensor, positions: torch.Tensor,
               max_kv: int, **options) -> AttentionMetadata:
         """Request b's rows attend to its kv_len[b] cache rows from kv_start[b]; each row's K/V slot is
-        kv_start + its position [N]. `options`: track_rows, write_cache, hidden_keys, self_visibility, ordered."""
+        kv_start + its position [N]. `options`: track_rows, write_cache, hidden_keys, self_visibility, ordered,
+        routing."""
         return cls(cu_seqlens_q=rows.cu_seqlens, kv_start=kv_start, kv_len=kv_len,
                    slot_mapping=kv_start[rows.request] + positions, max_q=max(rows.counts), max_kv=max_kv,
                    **options)

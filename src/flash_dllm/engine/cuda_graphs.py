@@ -181,7 +181,8 @@ class CudaGraphs(GraphedCalls):
         rows = input_ids.shape[0]
         input_ids, positions, metadata = ((input_ids, positions, metadata) if metadata.write_cache
                                           else pad_verify_pass(input_ids, positions, metadata))
-        if input_ids.shape[0] > MAX_GRAPH_ROWS:
+        # A routed pass counts the keys it reads into the batch's counters, which a pass graph would not write.
+        if input_ids.shape[0] > MAX_GRAPH_ROWS or metadata.routing is not None:
             return self.forward(input_ids, positions, metadata, key_mass)[:rows]
         names = list(_metadata_tensors(metadata))
 

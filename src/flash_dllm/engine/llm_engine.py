@@ -50,6 +50,9 @@ class LLMEngine:
         if self.runner.invariant_gemms and not method.invariant_with_kernels:
             raise ValueError(f"method {method.name!r} is batch-invariant on the PyTorch path only so far "
                              f"(batch_invariant with kernels=False, on the CPU)")
+        if params.kv_routing is not None and self.runner.batch_invariant:
+            raise ValueError("kv_routing is not batch-invariant yet: its routed attention sums keys in the default "
+                             "order; use one of them")
         if method.uses_cache:
             if self.allocator is None:
                 cache = self.runner.allocate_cache(with_hidden=method.caches_hidden_states)
@@ -165,10 +168,13 @@ class LLMEngine:
         done = [index for index, is_done in enumerate(state[0]) if is_done]
         if not done:
             return []
-        stops, steps, nfe = (t[done].tolist() for t in (first_stop, counters.steps, counters.nfe))
-        for index, stop, num_steps, num_fwd in zip(done, stops, steps, nfe):
+        finals = torch.stack([first_stop, counters.steps, counters.nfe, counters.prompt_keys_read,
+                              counters.prompt_keys_dense])[:, done].tolist()
+        for index, stop, num_steps, num_fwd, keys_read, keys_dense in zip(done, *finals):
             seq = self.running[index]
             if seq.cache_base is not None:
                 self.allocator.release(seq.cache_base, seq.length)
-            seq.finish(generated[index, :stop].tolist(), "stop" if stop < length else "length", num_steps, num_fwd)
+            routed = seq.params.kv_routing is not None and keys_dense > 0
+            seq.finish(generated[index, :stop].tolist(), "stop" if stop < length else "length", num_steps, num_fwd,
+                       keys_read / keys_dense if routed else None)
         return [self.running[index] for index in done]

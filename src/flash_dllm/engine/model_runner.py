@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from ..batch import DecodeBatch
 from ..cache.attention_metadata import AttentionMetadata, FlatRows, device_tensor
 from ..cache.kv_cache import KVCache
+from ..cache.routing import PromptRouting
 from ..decoding.base import check, check_type
 from ..models.base import DiffusionLM
 from .cuda_graphs import MAX_GRAPH_ROWS, CudaGraphs
@@ -160,6 +161,8 @@ class ModelRunner:
             hidden_keys = torch.zeros(len(counts), max_kv, dtype=torch.bool, device=device)
             hidden_keys[rows.request, positions] = torch.ones_like(positions, dtype=torch.bool)  # `= True`: a host copy
             options.update(write_cache=False, hidden_keys=hidden_keys, self_visibility=visibility)
+        if any(batch.rows[b].params.kv_routing for b in (order or range(len(counts)))):
+            options["routing"] = self._routing(batch, order or list(range(len(counts))), rows, positions)
         metadata = AttentionMetadata.build(rows, kv_start, kv_len, positions, max_kv, ordered=self.batch_invariant,
                                            **options)
         if kept is not None and any(kept):
@@ -167,6 +170,14 @@ class ModelRunner:
             metadata.slot_mapping = metadata.slot_mapping.masked_fill(unwritten, self.cache.scratch_row)
         ids = batch.tokens[request, column] if input_ids is None else input_ids[rows.request, rows.rank]
         return CachedPass(rows, request, column, ids, positions, metadata, tuple(batch.tokens.shape))
+
+    def _routing(self, batch: DecodeBatch, order: list[int], rows: FlatRows, positions: torch.Tensor) -> PromptRouting:
+        """The pass's routed prompts (batch rows `order`); the keys read are counted in the batch's counters."""
+        requests = [batch.rows[b] for b in order]
+        return PromptRouting.build([row.prompt_length for row in requests], [row.params.kv_budget for row in requests],
+                                   [row.params.kv_routing for row in requests], rows.request, positions,
+                                   self.constant(order), batch.counters.prompt_keys_read,
+                                   batch.counters.prompt_keys_dense, self.constant)
 
     def constant(self, values: list[int]) -> torch.Tensor:
         """A short host list of ints (row counts) on the device, read-only. With CUDA graphs it is uploaded once

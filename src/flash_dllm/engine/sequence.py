@@ -29,6 +29,7 @@ class Sequence:
     nfe: int = 0
     query_rows: int = 0  # query rows computed for this sequence over all its forward passes
     final_length: int = 0  # generated tokens known to be final: all decoded, up to the first mask or eos/eot
+    prompt_kv_read: float | None = None  # with kv_routing, the fraction of the prompt's KV read (at finish)
     start_time: float | None = None
     finish_time: float | None = None
 
@@ -40,9 +41,10 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def finish(self, output_ids: list[int], reason: str, steps: int, nfe: int):
-        """reason: "stop" (an eos/eot was generated), "length" or "abort"."""
-        self.output_ids, self.steps, self.nfe = output_ids, steps, nfe
+    def finish(self, output_ids: list[int], reason: str, steps: int, nfe: int, prompt_kv_read: float | None = None):
+        """reason: "stop" (an eos/eot was generated), "length" or "abort". prompt_kv_read: with routed prompt
+        keys, the fraction of the prompt's KV that the passes read."""
+        self.output_ids, self.steps, self.nfe, self.prompt_kv_read = output_ids, steps, nfe, prompt_kv_read
         self.finish_reason = reason
         self.status = SequenceStatus.FINISHED
         if self.row is not None:

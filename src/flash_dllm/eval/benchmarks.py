@@ -64,10 +64,19 @@ class Benchmark:
         exemplars = [self.text(shot, chat) + self.target_delimiter + self.target(shot) for shot in self.shots]
         return self.fewshot_delimiter.join(exemplars + [self.text(doc, chat)])
 
-    def examples(self, chat: bool, path: str | None = None, limit: int | None = None) -> list[Example]:
+    def examples(self, chat: bool, path: str | None = None, limit: int | None = None,
+                 length: int | None = None) -> list[Example]:
+        """length: the embedded passkey task's items of that prompt length only."""
         if path is not None and not self.takes_data:
             raise ValueError(f"{self.name} reads its pinned data set; a data file applies to mbpp only")
-        docs = self.load(path)[:limit]
+        docs = self.load(path)
+        if length is not None:
+            lengths = sorted({doc.get("length") for doc in docs} - {None})
+            if length not in lengths:
+                raise ValueError(f"--passkey-length {length}: {self.name} has items of "
+                                 f"{', '.join(map(str, lengths)) or 'no set'} tokens")
+            docs = [doc for doc in docs if doc.get("length") == length]
+        docs = docs[:limit]
         return [Example(i, self.doc_id(doc, i), self.prompt(doc, chat), self.target(doc), doc)
                 for i, doc in enumerate(docs)]
 

@@ -3,6 +3,7 @@ running accuracy and tokens/s, then per-item records and a summary (written as j
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,13 +24,15 @@ class EvalResult:
 
 
 def evaluate(llm, task: str, params: SamplingParams, *, data: str | None = None, limit: int | None = None,
-             ctx: DistContext = DistContext(), progress: bool = True, warmup: bool = True) -> EvalResult:
+             ctx: DistContext = DistContext(), progress: bool = True, warmup: bool = True,
+             length: int | None = None) -> EvalResult:
     """Decode and score `task` with one method; under torch.distributed each rank takes a shard and every
     rank returns the merged result. Tokens/s counts generated tokens up to the first eos/eot over the wall
-    time of generation (no warm-up, no scoring); across ranks, over the slowest rank's time."""
+    time of generation (no warm-up, no scoring); across ranks, over the slowest rank's time. length: the
+    passkey items of that prompt length only."""
     benchmark = get_benchmark(task)
     chat, batch_size = llm.use_chat_template, llm.engine.scheduler.max_batch_size
-    examples = shard(benchmark.examples(chat, data, limit), ctx)
+    examples = shard(benchmark.examples(chat, data, limit, length), ctx)
     if warmup and examples:  # one full batch: kernel compilation and allocations stay out of the timing
         llm.generate([e.prompt for e in examples[:batch_size]], params, use_tqdm=False)
     records, gen_time = [], 0.0
@@ -56,7 +59,8 @@ def evaluate(llm, task: str, params: SamplingParams, *, data: str | None = None,
     merged = sorted((r for rank_records, _ in shards for r in rank_records), key=lambda r: r["index"])
     slowest = max(t for _, t in shards)
     summary = summarize(merged, slowest, task=task, model=str(llm.path or "random weights"), params=params,
-                        batch_size=batch_size, world_size=ctx.world_size, chat_template=chat, limit=limit)
+                        batch_size=batch_size, world_size=ctx.world_size, chat_template=chat, limit=limit,
+                        **({} if length is None else {"length": length}))
     return EvalResult(merged, summary)
 
 
@@ -64,18 +68,31 @@ def _record(example, out, verdict) -> dict:
     return {"index": example.index, "id": example.id, "prompt": example.prompt, "output": out.text,
             "extracted": verdict.extracted, "target": example.target, "correct": verdict.correct,
             "num_tokens": len(out.token_ids), "nfe": out.nfe, "steps": out.steps, "time_s": out.time_s,
-            "finish_reason": out.finish_reason, "error": out.error}
+            "finish_reason": out.finish_reason, "error": out.error, "prompt_kv_read": out.prompt_kv_read}
 
 
 def summarize(records: list[dict], gen_time: float, *, params: SamplingParams, **fields) -> dict:
     n = max(len(records), 1)
     tokens = sum(r["num_tokens"] for r in records)
-    return {**fields, "num_items": len(records), "num_correct": sum(r["correct"] for r in records),
-            "accuracy": sum(r["correct"] for r in records) / n,
+    correct = sum(r["correct"] for r in records)
+    read = [r["prompt_kv_read"] for r in records if r.get("prompt_kv_read") is not None]
+    return {**fields, "num_items": len(records), "num_correct": correct, "accuracy": correct / n,
+            "accuracy_ci95": wilson_interval(correct, len(records)),
+            "prompt_kv_read": sum(read) / len(read) if read else None,
             "tokens_per_s": tokens / gen_time if gen_time > 0 else 0.0,
             "tokens_per_step": tokens / max(sum(r["steps"] for r in records), 1),
             "nfe": sum(r["nfe"] for r in records) / n, "steps": sum(r["steps"] for r in records) / n,
             "num_tokens": tokens, "generation_time_s": gen_time, "sampling": params.to_dict()}
+
+
+def wilson_interval(successes: int, trials: int, z: float = 1.96) -> list[float]:
+    """The 95% Wilson score interval of a proportion (sound at 0 and 1 correct, unlike the normal one)."""
+    if trials == 0:
+        return [0.0, 1.0]
+    p = successes / trials
+    centre = (p + z * z / (2 * trials)) / (1 + z * z / trials)
+    half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / (1 + z * z / trials)
+    return [max(0.0, centre - half), min(1.0, centre + half)]
 
 
 def summary_path(output: str | Path) -> Path:

@@ -44,12 +44,14 @@ def pareto_front(rows: list[dict]) -> list[bool]:
 
 
 def run_sweep(llm, task: str, points: list[SweepPoint], out_dir: str | Path, *, data: str | None = None,
-              limit: int | None = None, ctx: DistContext = DistContext(), progress: bool = True) -> list[dict]:
-    """Evaluate every point on the same items; rank 0 writes each point's results, the table and the plot."""
+              limit: int | None = None, ctx: DistContext = DistContext(), progress: bool = True,
+              length: int | None = None) -> list[dict]:
+    """Evaluate every point on the same items (length: passkey items of that prompt length); rank 0 writes each
+    point's results, the table and the plot."""
     out_dir = Path(out_dir)
     rows = []
     for number, point in enumerate(points):
-        result = evaluate(llm, task, point.params, data=data, limit=limit, ctx=ctx, progress=progress)
+        result = evaluate(llm, task, point.params, data=data, limit=limit, ctx=ctx, progress=progress, length=length)
         rows.append({"label": point.label, **result.summary})
         if ctx.is_main:
             write_result(result, out_dir / "points" / f"{number:02d}-{_slug(point.label)}.jsonl")

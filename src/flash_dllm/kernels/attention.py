@@ -61,12 +61,15 @@ def _padded_index(starts: torch.Tensor, lengths: torch.Tensor, width: int) -> tu
 
 def ragged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
                          key_mass: torch.Tensor | None = None, k_new: torch.Tensor | None = None,
-                         v_new: torch.Tensor | None = None) -> torch.Tensor:
+                         v_new: torch.Tensor | None = None, key_visible: torch.Tensor | None = None,
+                         dense_rows: torch.Tensor | None = None) -> torch.Tensor:
     """q [N, H, D]; k_cache, v_cache [rows, Hkv, D] -> out [N, H, D] in q's dtype.
 
     With key_mass [B, max_kv] (fp32), adds for every key the softmax probability it receives, summed over
     heads and over the query rows marked in metadata.track_rows. With k_new, v_new [N, Hkv, D] (a pass that
-    does not write the cache), the rows also attend to these keys under metadata.self_visibility.
+    does not write the cache), the rows also attend to these keys under metadata.self_visibility. With
+    key_visible [B, Hkv, max_kv] bool (routed prompt keys), each KV head's rows read only the keys it marks,
+    except the rows marked in dense_rows [N] bool.
     """
     group = q.shape[1] // k_cache.shape[1]
     q_lens = metadata.cu_seqlens_q[1:] - metadata.cu_seqlens_q[:-1]
@@ -78,11 +81,18 @@ def ragged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     kp, vp = expand(k_cache[kv_index]), expand(v_cache[kv_index])                   # [B, H, K, D]
     if metadata.hidden_keys is not None:
         kv_valid = kv_valid & ~metadata.hidden_keys
-    mask = kv_valid[:, None, None, :]
+    mask = kv_valid[:, None, None, :]                                                # [B, 1 or H, 1, K]
+    if key_visible is not None:
+        assert not metadata.ordered, "routed keys are not summed in the batch-invariant order"
+        routed = key_visible.repeat_interleave(group, dim=1)[:, :, None, :]                 # [B, H, 1, K]
+        if dense_rows is not None:
+            routed = routed | (dense_rows[q_index] & q_valid)[:, None, :, None]
+        mask = mask & routed
     if k_new is not None:
         kp, vp = torch.cat([kp, expand(k_new[q_index])], dim=2), torch.cat([vp, expand(v_new[q_index])], dim=2)
         own = metadata.self_visibility & q_valid[:, None, :]
-        mask = torch.cat([kv_valid[:, None, :].expand(-1, metadata.max_q, -1), own], dim=2)[:, None]
+        cache_part = mask.expand(-1, -1, metadata.max_q, -1)
+        mask = torch.cat([cache_part, own[:, None].expand(-1, cache_part.shape[1], -1, -1)], dim=3)
     if metadata.ordered:
         if k_new is not None:  # its own keys right after its cache range, wherever the batch's longest ends
             kp, vp, mask = _own_keys_after_cache(kp, vp, mask, metadata, q_index)

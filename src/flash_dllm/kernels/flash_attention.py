@@ -42,13 +42,16 @@ def launch_config(max_q: int, verify: bool = False, num_seqs: int = 1, fp32: boo
 
 def flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
                     key_mass: torch.Tensor | None = None, k_new: torch.Tensor | None = None,
-                    v_new: torch.Tensor | None = None) -> torch.Tensor:
+                    v_new: torch.Tensor | None = None, key_visible: torch.Tensor | None = None,
+                    dense_rows: torch.Tensor | None = None) -> torch.Tensor:
     """q [N, H, D]; k_cache, v_cache [rows, Hkv, D] -> out [N, H, D] in q's dtype; a drop-in for
     ragged_attention_ref (same arguments, same result).
 
     key_mass [B, max_kv] fp32 (needs metadata.track_rows): += the softmax probability each cache key receives,
     summed over heads and tracked rows. k_new, v_new [N, Hkv, D] (with metadata.self_visibility): the rows also
-    attend to the pass's own keys, and metadata.hidden_keys hides cache keys. A row that sees no key gets 0.
+    attend to the pass's own keys, and metadata.hidden_keys hides cache keys. key_visible [B, Hkv, max_kv]
+    bool (routed prompt keys): each KV head reads only the keys it marks (the others are never loaded), except
+    the rows marked in dense_rows [N] bool, which read every key. A row that sees no key gets 0.
     """
     if triton is None:
         raise RuntimeError("flash_attention needs triton; use ragged_attention_ref")
@@ -66,7 +69,12 @@ def flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     # Dummy pointers for the disabled features; their constexpr flags keep them unread.
     k_new, v_new = (k_new, v_new) if has_new else (k_cache, v_cache)
     visibility = metadata.self_visibility.contiguous().view(torch.uint8) if has_new else q
+    if key_visible is not None:  # one mask per KV head: bit 0 hides a key from routed rows, bit 1 from every row
+        hidden = (~key_visible).to(torch.uint8) | (0 if hidden is None else 3 * hidden[:, None, :].to(torch.uint8))
     hidden = hidden.contiguous().view(torch.uint8) if hidden is not None else q
+    stride_hh = hidden.stride(1) if key_visible is not None else 0
+    has_dense = key_visible is not None and dense_rows is not None
+    dense_rows = dense_rows.contiguous().view(torch.uint8) if has_dense else q
     track_rows = metadata.track_rows.contiguous().view(torch.uint8) if track else q
     config = launch_config(metadata.max_q, verify=has_new, num_seqs=metadata.num_seqs,
                            fp32=q.dtype == torch.float32, ordered=metadata.ordered)
@@ -76,12 +84,12 @@ def flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     partial = torch.zeros(metadata.num_seqs, grid[1] * H, metadata.max_kv, device=q.device) if track else out
     _flash_attention_kernel[grid](
         q, k_cache, v_cache, out, k_new, v_new,
-        metadata.cu_seqlens_q, metadata.kv_start, metadata.kv_len, hidden, visibility, track_rows, partial,
+        metadata.cu_seqlens_q, metadata.kv_start, metadata.kv_len, hidden, visibility, track_rows, dense_rows, partial,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
-        hidden.stride(0), visibility.stride(0), visibility.stride(1), partial.stride(0), partial.stride(1),
+        hidden.stride(0), stride_hh, visibility.stride(0), visibility.stride(1), partial.stride(0), partial.stride(1),
         D ** -0.5, D,
-        GROUP=group, HAS_HIDDEN=metadata.hidden_keys is not None, HAS_NEW=has_new, TRACK=track,
+        GROUP=group, HAS_HIDDEN=hidden is not q, HAS_NEW=has_new, TRACK=track, HAS_DENSE=has_dense,
         BLOCK_D=max(16, triton.next_power_of_2(D)),
         DOT_FP32=q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1", **config)
     if track:  # ordered: the rows of the other requests' extra query tiles are zeros after this one's
@@ -110,30 +118,41 @@ if triton is not None:
 
     @triton.jit
     def _cache_scores(b_q, k_ptr, hidden_ptr, seq, kv_begin, kv_len, start, kv_head, stride_kn, stride_kh,
-                      stride_hb, qk_scale, o_d, m_d, HAS_HIDDEN: tl.constexpr, BLOCK_N: tl.constexpr,
-                      DOT_FP32: tl.constexpr):
+                      stride_hb, stride_hh, qk_scale, o_d, m_d, b_dense, any_dense, HAS_HIDDEN: tl.constexpr,
+                      HAS_DENSE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr):
         """Log2-domain scores [M, BLOCK_N] of the cache keys start.. of the request (-inf where out of range
-        or hidden) and the mask of the keys that count."""
+        or hidden; the rows b_dense see every key in range) and the mask of the keys loaded."""
         o_n = start + tl.arange(0, BLOCK_N)
-        m_key = o_n < kv_len
+        m_valid = o_n < kv_len
+        m_key, m_all = m_valid, m_valid  # the keys of the (routed) rows, and of the rows that read every key
         if HAS_HIDDEN:
-            m_key = m_key & (tl.load(hidden_ptr + seq * stride_hb + o_n, mask=m_key, other=1) == 0)
+            b_hidden = tl.load(hidden_ptr + seq * stride_hb + kv_head * stride_hh + o_n, mask=m_valid, other=3)
+            m_key = m_valid & ((b_hidden & 1) == 0)
+            m_all = m_valid & ((b_hidden & 2) == 0)
+        m_load = m_key
+        if HAS_DENSE:
+            m_load = m_key | (m_all & ((tl.zeros([BLOCK_N], dtype=tl.int32) + any_dense) != 0))
         b_k = tl.load(k_ptr + (kv_begin + o_n)[:, None] * stride_kn + kv_head * stride_kh + o_d[None, :],
-                      mask=m_key[:, None] & m_d[None, :], other=0.0)
+                      mask=m_load[:, None] & m_d[None, :], other=0.0)
         b_s = _dot(b_q, tl.trans(b_k), DOT_FP32) * qk_scale
-        return tl.where(m_key[None, :], b_s, float("-inf")), m_key
+        if HAS_DENSE:
+            return tl.where(m_key[None, :] | (b_dense[:, None] & m_all[None, :]), b_s, float("-inf")), m_load
+        return tl.where(m_key[None, :], b_s, float("-inf")), m_load
 
     # Strides that vary with the step's shapes are not specialised on (divisibility by 16): each new
     # combination would compile a new kernel in the middle of decoding.
-    @triton.jit(do_not_specialize=["stride_hb", "stride_visb", "stride_visq", "stride_mb", "stride_mr"])
+    @triton.jit(do_not_specialize=["stride_hb", "stride_hh", "stride_visb", "stride_visq", "stride_mb",
+                                   "stride_mr"])
     def _flash_attention_kernel(
             q_ptr, k_ptr, v_ptr, o_ptr, kn_ptr, vn_ptr,
-            cu_q_ptr, kv_start_ptr, kv_len_ptr, hidden_ptr, vis_ptr, track_ptr, mass_ptr,
+            cu_q_ptr, kv_start_ptr, kv_len_ptr, hidden_ptr, vis_ptr, track_ptr, dense_ptr, mass_ptr,
             stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh,
-            stride_knn, stride_knh, stride_vnn, stride_vnh, stride_hb, stride_visb, stride_visq, stride_mb, stride_mr,
+            stride_knn, stride_knh, stride_vnn, stride_vnh, stride_hb, stride_hh, stride_visb, stride_visq, stride_mb,
+            stride_mr,
             scale, D,
             GROUP: tl.constexpr, HAS_HIDDEN: tl.constexpr, HAS_NEW: tl.constexpr, TRACK: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr):
+            HAS_DENSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+            DOT_FP32: tl.constexpr):
         seq, tile, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         q_begin = tl.load(cu_q_ptr + seq)
         q_len = tl.load(cu_q_ptr + seq + 1) - q_begin
@@ -147,13 +166,18 @@ if triton is not None:
         b_q = tl.load(q_ptr + (q_begin + o_m)[:, None] * stride_qn + head * stride_qh + o_d[None, :],
                       mask=m_m[:, None] & m_d[None, :], other=0.0)
         qk_scale = scale * 1.4426950408889634  # exp(x) = exp2(x * log2(e))
+        b_dense = m_m & False  # rows that read every key past the routing (a routed pass's prompt rows)
+        if HAS_DENSE:
+            b_dense = (tl.load(dense_ptr + q_begin + o_m, mask=m_m, other=0) != 0) & m_m
+        any_dense = tl.max(b_dense.to(tl.int32), 0)  # 1 if the tile has such a row
 
         b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
         b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         for start in range(0, kv_len, BLOCK_N):
             b_s, m_key = _cache_scores(b_q, k_ptr, hidden_ptr, seq, kv_begin, kv_len, start, kv_head, stride_kn,
-                                       stride_kh, stride_hb, qk_scale, o_d, m_d, HAS_HIDDEN, BLOCK_N, DOT_FP32)
+                                       stride_kh, stride_hb, stride_hh, qk_scale, o_d, m_d, b_dense, any_dense,
+                                       HAS_HIDDEN, HAS_DENSE, BLOCK_N, DOT_FP32)
             b_v = tl.load(v_ptr + (kv_begin + start + tl.arange(0, BLOCK_N))[:, None] * stride_vn
                           + kv_head * stride_vh + o_d[None, :], mask=m_key[:, None] & m_d[None, :], other=0.0)
             b_m, b_l, b_acc = _softmax_step(b_s, b_v, b_m, b_l, b_acc, DOT_FP32)
@@ -183,8 +207,8 @@ if triton is not None:
             sweep_len = tl.where(tl.sum(b_track.to(tl.int32), 0) > 0, kv_len, 0)
             for start in range(0, sweep_len, BLOCK_N):
                 b_s, m_key = _cache_scores(b_q, k_ptr, hidden_ptr, seq, kv_begin, kv_len, start, kv_head,
-                                           stride_kn, stride_kh, stride_hb, qk_scale, o_d, m_d, HAS_HIDDEN,
-                                           BLOCK_N, DOT_FP32)
+                                           stride_kn, stride_kh, stride_hb, stride_hh, qk_scale, o_d, m_d, b_dense,
+                                           any_dense, HAS_HIDDEN, HAS_DENSE, BLOCK_N, DOT_FP32)
                 b_p = tl.where(b_track[:, None], tl.exp2(b_s - b_lse[:, None]), 0.0)
                 o_n = start + tl.arange(0, BLOCK_N)
                 p_mass = mass_ptr + seq * stride_mb + (tile * tl.num_programs(2) + head) * stride_mr + o_n

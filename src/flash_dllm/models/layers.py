@@ -16,6 +16,7 @@ from torch import nn
 from ..cache.attention_metadata import AttentionMetadata
 from ..cache.kv_cache import KVCache
 from ..config import ModelConfig
+from ..cache.routing import route
 from ..kernels.attention import ordered_attention, ragged_attention_ref
 from ..kernels.flash_attention import flash_attention
 from ..kernels.fused_qkv_rope import qkv_rope
@@ -168,10 +169,17 @@ class Attention(nn.Module):
         k_cache, v_cache = cache.k[self.layer], cache.v[self.layer]
         if metadata.write_cache:
             k_cache[metadata.slot_mapping], v_cache[metadata.slot_mapping] = k, v
-            out = ragged_attention_ref(q, k_cache, v_cache, metadata, key_mass)
-        else:
-            out = ragged_attention_ref(q, k_cache, v_cache, metadata, key_mass, k_new=k, v_new=v)
+        own = {} if metadata.write_cache else dict(k_new=k, v_new=v)
+        out = ragged_attention_ref(q, k_cache, v_cache, metadata, key_mass, **self._routed(q, k_cache, metadata),
+                                   **own)
         return self.o_proj(out.reshape(N, -1))
+
+    def _routed(self, q: torch.Tensor, k_cache: torch.Tensor, metadata: AttentionMetadata) -> dict:
+        """The attention's routing arguments: the cache keys each request's KV head reads this pass, where its
+        prompt keys are routed, and the rows that read every key."""
+        if metadata.routing is None:
+            return {}
+        return dict(key_visible=route(q, k_cache, metadata, self.layer), dense_rows=metadata.routing.dense_rows)
 
     def _kernel_attention(self, x, rope, metadata, cache, key_mass) -> torch.Tensor:
         k_cache, v_cache = cache.k[self.layer], cache.v[self.layer]
@@ -180,11 +188,12 @@ class Attention(nn.Module):
             self.rope_theta, invariant=metadata.ordered)
         if metadata.write_cache:
             q = project(metadata.slot_mapping, k_cache, v_cache)
-            return flash_attention(q, k_cache, v_cache, metadata, key_mass)
+            return flash_attention(q, k_cache, v_cache, metadata, key_mass, **self._routed(q, k_cache, metadata))
         # A pass that must not write the cache (verify): its own K/V go to fresh rows.
         k_new, v_new = (x.new_empty(x.shape[0], self.num_kv_heads, self.head_dim) for _ in range(2))
         q = project(torch.arange(x.shape[0], device=x.device), k_new, v_new)
-        return flash_attention(q, k_cache, v_cache, metadata, key_mass, k_new=k_new, v_new=v_new)
+        return flash_attention(q, k_cache, v_cache, metadata, key_mass, k_new=k_new, v_new=v_new,
+                               **self._routed(q, k_cache, metadata))
 
 
 class GatedMLP(nn.Module):

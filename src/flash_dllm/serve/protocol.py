@@ -60,6 +60,8 @@ class CommonRequest(BaseModel):
     # flash-dllm's own: the method, its block length, and the output's token ids.
     method: str | None = None
     block_length: int | None = None
+    kv_routing: str | None = None   # routed prompt KV (cache/routing.py); null: the server's default
+    kv_budget: float | None = None
     return_token_ids: bool | None = False
 
     def unsupported(self, reads: set[str]) -> str | None:
@@ -152,4 +154,5 @@ def sampling_params(request: CommonRequest, defaults: ServerDefaults) -> Samplin
     return SamplingParams(method=request.method or common.method, max_tokens=pick(max_tokens, common.max_tokens),
                           block_length=pick(request.block_length, common.block_length),
                           temperature=pick(request.temperature, common.temperature),
-                          seed=pick(request.seed, common.seed), **given)
+                          seed=pick(request.seed, common.seed), kv_routing=pick(request.kv_routing, common.kv_routing),
+                          kv_budget=pick(request.kv_budget, common.kv_budget), **given)

@@ -1,0 +1,122 @@
+"""Routing of the prompt's KV (cache/routing.py): which keys a step reads under each policy, the budget, the
+rows that read every key and the keys-read count; through the engine, a budget of 1 is the dense attention token
+for token, the kernel path routes as the reference does, and the settings are checked."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flash_dllm import LLM, SamplingParams
+from flash_dllm.cache.routing import CHUNK, POLICIES, SINKS, WINDOW, PromptRouting, chunks_opened, visible_keys
+
+B, K, HKV, GROUP, D = 3, 300, 2, 2, 8
+PROMPT = [260, 260, 200]
+
+
+def routing_of(policies, budget=0.125, positions=None):
+    """A pass of 4 query rows per request at positions past its prompt (unless `positions` says otherwise)."""
+    rows = torch.arange(B).repeat_interleave(4)
+    positions = torch.tensor(PROMPT).repeat_interleave(4) if positions is None else positions
+    counters = torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.long)
+    return PromptRouting.build(PROMPT, [budget] * B, policies, rows, positions, torch.arange(B), *counters,
+                               lambda values: torch.tensor(values))
+
+
+def step(policies, budget=0.125, needle=None, positions=None):
+    """Random keys of B requests (their prompts, then 40 generated keys), a needle chunk whose keys all align
+    with the queries (request, chunk), and the keys each KV head reads."""
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randn(B, K, HKV, D, generator=g)
+    q = torch.randn(B * 4, HKV * GROUP, D, generator=g).abs()
+    if needle is not None:
+        b, chunk = needle
+        keys[b, chunk * CHUNK:(chunk + 1) * CHUNK] = 3.0  # every query (positive) scores these keys highest
+    key_valid = torch.arange(K) < torch.tensor([p + 40 for p in PROMPT])[:, None]
+    q_index, q_valid = torch.arange(B * 4).view(B, 4), torch.ones(B, 4, dtype=torch.bool)
+    routing = routing_of(policies, budget, positions)
+    return visible_keys(q, keys, key_valid, q_index, q_valid, routing, layer=0), key_valid, routing
+
+
+def test_the_budget_counts_sinks_and_window_in_whole_chunks():
+    assert chunks_opened(1000, 0.125) == (125 - SINKS - WINDOW) // CHUNK
+    assert chunks_opened(100, 0.125) == 0  # the sinks and the window take the whole budget
+    assert chunks_opened(1000, 1.0) == -(-1000 // CHUNK)  # every chunk: the dense attention
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_each_head_reads_sinks_window_generated_keys_and_its_top_chunks(policy):
+    visible, key_valid, routing = step([policy] * B, budget=0.5)
+    position = torch.arange(K)
+    for b, prompt in enumerate(PROMPT):
+        top_k = chunks_opened(prompt, 0.5)
+        assert top_k == 2
+        always = (position < SINKS) | ((position >= prompt - WINDOW) & key_valid[b])
+        assert visible[b][:, always].all() and not visible[b][:, ~key_valid[b]].any()
+        routed = visible[b][:, (position >= SINKS) & (position < prompt - WINDOW)]
+        chunks = {h: set((torch.nonzero(routed[h]).flatten() + SINKS).div(CHUNK, rounding_mode="floor").tolist())
+                  for h in range(HKV)}
+        assert all(len(c) == top_k for c in chunks.values())
+        if policy == "window":  # the chunks right before the window
+            last = (prompt - WINDOW - 1) // CHUNK
+            assert all(c == set(range(last - top_k + 1, last + 1)) for c in chunks.values())
+    assert torch.equal(routing.keys_dense, torch.tensor(PROMPT) * HKV)
+    assert torch.equal(routing.keys_read, (visible & (position < torch.tensor(PROMPT)[:, None, None])).sum((1, 2)))
+
+
+def test_chunk_scores_find_the_needle_and_the_controls_do_not():
+    needle = (1, 3)
+    opened = lambda policy: step([policy] * B, budget=0.5, needle=needle)[0][1][:, 3 * CHUNK:4 * CHUNK].all(dim=-1)
+    assert opened("chunk").all() and opened("centroid").all()
+    assert not opened("window").any()
+
+
+def test_dense_requests_and_passes_with_prompt_rows_read_everything():
+    visible, key_valid, routing = step(["chunk", None, "chunk"])
+    assert torch.equal(visible[1], key_valid[1].expand(HKV, K))
+    positions = torch.tensor(PROMPT).repeat_interleave(4)
+    positions[0] = 5  # request 0 recomputes a prompt row (a tracked one, or a full pass)
+    visible, _, routing = step(["chunk"] * B, positions=positions)
+    assert routing.dense_rows.tolist() == [True] + [False] * (4 * B - 1)
+    assert routing.keys_read[0] == routing.keys_dense[0]  # counted as read in full
+    assert routing.keys_read[2] < routing.keys_dense[2]
+
+
+def prompts(count: int = 3, length: int = 150):
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(5, 300, (length + 7 * i,), generator=g).tolist() for i in range(count)]
+
+
+CACHED = [dict(method="prefix-cache"), dict(method="dual-cache"), dict(method="flash-cache", tracking_budget=4,
+          mask_window=8), dict(method="flash-verify", tracking_budget=4, mask_window=8),
+          dict(method="elastic", mask_window=8)]
+
+
+@pytest.mark.parametrize("knobs", CACHED, ids=lambda k: k["method"])
+def test_a_budget_of_one_is_the_dense_attention(gqa_checkpoint, knobs):
+    llm = LLM(gqa_checkpoint, device="cpu", dtype="float32")
+    params = dict(max_tokens=16, block_length=8, threshold=1.0, **knobs)
+    dense = llm.generate(prompts(), SamplingParams(**params), use_tqdm=False)
+    routed = llm.generate(prompts(), SamplingParams(kv_routing="chunk", kv_budget=1.0, **params), use_tqdm=False)
+    assert [o.token_ids for o in routed] == [o.token_ids for o in dense]
+    assert all(o.prompt_kv_read == 1.0 for o in routed) and all(o.prompt_kv_read is None for o in dense)
+
+
+def test_a_small_budget_reads_less_and_the_kernels_route_as_the_reference(gqa_checkpoint):
+    params = SamplingParams(method="dual-cache", max_tokens=16, block_length=8, threshold=1.0, kv_routing="chunk",
+                            kv_budget=0.5)
+    outputs = {kernels: LLM(gqa_checkpoint, device="cpu", dtype="float32", kernels=kernels).generate(
+        prompts(2), params, use_tqdm=False) for kernels in (False, True)}
+    assert [o.token_ids for o in outputs[True]] == [o.token_ids for o in outputs[False]]
+    assert all(0 < o.prompt_kv_read < 1 for o in outputs[False])
+
+
+def test_settings_are_checked(gqa_checkpoint):
+    with pytest.raises(ValueError, match="kv_routing must be None or one of"):
+        SamplingParams(method="dual-cache", kv_routing="quest")
+    with pytest.raises(ValueError, match=r"kv_budget must be in \(0, 1\]"):
+        SamplingParams(method="dual-cache", kv_routing="chunk", kv_budget=0.0)
+    with pytest.raises(ValueError, match="keeps no cache"):
+        SamplingParams(method="parallel", kv_routing="chunk")
+    llm = LLM(gqa_checkpoint, device="cpu", dtype="float32", batch_invariant=True)
+    out = llm.generate(prompts(1), SamplingParams(method="dual-cache", kv_routing="chunk"), use_tqdm=False)[0]
+    assert out.finish_reason == "error" and "not batch-invariant" in out.error
