@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from flash_dllm import LLM, RequestOutput, SamplingParams
-from flash_dllm.eval.harness import evaluate, summary_path, write_result
+from flash_dllm.eval.harness import evaluate, summary_path, wilson_interval, write_result
 from flash_dllm.tasks import load_test_set
 
 PARAMS = SamplingParams(method="parallel", max_tokens=16, block_length=8)
@@ -61,3 +63,16 @@ def test_evaluate_tiny_checkpoint_and_write(mha_checkpoint, tmp_path):
     assert [json.loads(line) for line in output.read_text().splitlines()] == json.loads(json.dumps(result.records))
     assert summary_path(output).name == "arith.summary.json"
     assert json.loads(summary_path(output).read_text())["num_items"] == 3
+
+
+def test_passkey_items_of_one_length_and_the_accuracy_interval():
+    items = [item for item in load_test_set("passkey") if item.length == 512][:3]
+    llm = ScriptedLLM([f"#### {items[0].answer.split('####')[-1].strip()}", "no"])
+    summary = evaluate(llm, "passkey", PARAMS, limit=3, length=512, progress=False, warmup=False).summary
+    assert summary["length"] == 512 and summary["num_items"] == 3 and summary["num_correct"] >= 1
+    low, high = summary["accuracy_ci95"]
+    assert 0 < low < summary["accuracy"] < high < 1
+    assert wilson_interval(0, 10)[0] == 0 and wilson_interval(10, 10)[1] == 1
+    assert summary["prompt_kv_read"] is None  # no routing
+    with pytest.raises(ValueError, match="passkey has items of 256, 512"):
+        evaluate(llm, "passkey", PARAMS, length=300, progress=False)
