@@ -21,6 +21,7 @@ import torch.nn.functional as F
 import flash_dllm.kernels.invariant_matmul as module
 from flash_dllm.kernels.invariant_matmul import CONFIGS, invariant_matmul
 from flash_dllm.models.loader import random_config
+from gemm_rows import timed_us  # benchmarks/: one CUDA-graph timing for both GEMM benchmarks
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SWAP: weights as the MMA's rows, for few input rows)
 CANDIDATES = [(64, 32, 128, 4, 4, False), (64, 64, 64, 4, 6, False), (64, 64, 128, 4, 4, False),
@@ -33,24 +34,11 @@ CANDIDATES = [(64, 32, 128, 4, 4, False), (64, 64, 64, 4, 6, False), (64, 64, 12
               (256, 128, 64, 8, 3, True)]
 
 
+REPLAYS = 20
+
+
 def as_config(c):
     return dict(BLOCK_M=c[0], BLOCK_N=c[1], BLOCK_K=c[2], num_warps=c[3], num_stages=c[4], SWAP=c[5])
-
-
-def timed_us(fn, replays: int = 20) -> float:
-    for _ in range(2):
-        fn()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(replays):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / replays
 
 
 def main():
@@ -63,7 +51,8 @@ def main():
     shapes = {"qkv": (3 * d, d), "o": (d, d), "gate_up": (2 * ff, d), "down": (d, ff), "lm_head": (cfg.vocab_size, d)}
     torch.manual_seed(0)
     weights = {n: torch.randn(s, dtype=torch.bfloat16, device="cuda") * 0.02 for n, s in shapes.items()}
-    inputs = {n: torch.randn(max(args.rows), w.shape[1], dtype=torch.bfloat16, device="cuda") for n, w in weights.items()}
+    inputs = {n: torch.randn(max(args.rows), w.shape[1], dtype=torch.bfloat16, device="cuda")
+              for n, w in weights.items()}
 
     identical = True
     print("## bits: every tiling against the first, all rows, and row 0 alone against in the batch")
@@ -87,9 +76,9 @@ def main():
     layer = ("qkv", "o", "gate_up", "down")
     chosen = {k_step: [] for k_step in sorted({c[2] for c in CANDIDATES})}
     for rows in sorted(args.rows):
-        cublas = {n: timed_us(lambda: F.linear(inputs[n][:rows], w)) for n, w in weights.items()}
-        table = sum(timed_us(lambda: invariant_matmul(inputs[n][:rows], weights[n])) for n in layer)
-        times = {c: {n: timed_us(lambda: invariant_matmul(inputs[n][:rows], w, as_config(c)))
+        cublas = {n: timed_us(lambda: F.linear(inputs[n][:rows], w), REPLAYS) for n, w in weights.items()}
+        table = sum(timed_us(lambda: invariant_matmul(inputs[n][:rows], weights[n]), REPLAYS) for n in layer)
+        times = {c: {n: timed_us(lambda: invariant_matmul(inputs[n][:rows], w, as_config(c)), REPLAYS)
                      for n, w in weights.items()} for c in CANDIDATES}
         best = min(CANDIDATES, key=lambda c: sum(times[c][n] for n in layer))
         for k_step, picks in chosen.items():
@@ -106,7 +95,8 @@ def main():
               flush=True)
     k_step = min(chosen, key=lambda k: sum(ratio for _, _, ratio in chosen[k]))
     picks = [(rows, tiling) for rows, tiling, _ in chosen[k_step]]
-    print("\nx cuBLAS by K step: " + "; ".join(f"{k}: " + ", ".join(f"{r:.2f}" for *_, r in v) for k, v in chosen.items()))
+    ratios = {k: ", ".join(f"{r:.2f}" for *_, r in picks) for k, picks in chosen.items()}
+    print("\nx cuBLAS by K step: " + "; ".join(f"{k}: {r}" for k, r in ratios.items()))
     table = []
     for (rows, tiling), following in zip(picks, picks[1:] + [(None, None)]):
         if tiling != following[1]:  # the last row count of a run of one tiling
