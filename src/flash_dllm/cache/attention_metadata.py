@@ -4,10 +4,20 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from .routing import PromptRouting
+if TYPE_CHECKING:
+    from .routing import PromptRouting
+
+
+def padded_index(starts: torch.Tensor, lengths: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B] starts and lengths -> row index [B, width] (clamped in range) and validity [B, width]: a pass's rows
+    or cache keys per request, padded to the widest."""
+    offsets = torch.arange(width, device=starts.device)
+    valid = offsets < lengths[:, None]
+    return torch.where(valid, starts[:, None] + offsets, starts[:, None]), valid
 
 
 def device_tensor(values: list[int], device) -> torch.Tensor:

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .attention_metadata import padded_index
+
 CHUNK, SINKS, WINDOW = 32, 4, 32
 POLICIES = ("chunk", "centroid", "window", "random")
 
@@ -72,14 +74,11 @@ def chunks_opened(prompt_len: int, budget: float) -> int:
 def route(q: torch.Tensor, k_cache: torch.Tensor, metadata, layer: int) -> torch.Tensor:
     """q [N, H, D] a pass's rotated queries, k_cache [rows, Hkv, D] the layer's cache (already holding the
     pass's keys) -> [B, Hkv, max_kv] bool: the cache keys each request's KV head reads (`visible_keys`)."""
-    offsets = torch.arange(metadata.max_kv, device=q.device)
-    key_valid = offsets < metadata.kv_len[:, None]
-    keys = k_cache[torch.where(key_valid, metadata.kv_start[:, None] + offsets, 0)]              # [B, K, Hkv, D]
-    q_begin, q_end = metadata.cu_seqlens_q[:-1], metadata.cu_seqlens_q[1:]
-    rows = torch.arange(metadata.max_q, device=q.device)
-    q_valid = rows < (q_end - q_begin)[:, None]
-    q_index = torch.where(q_valid, q_begin[:, None] + rows, 0).clamp(max=max(q.shape[0] - 1, 0))
-    return visible_keys(q, keys, key_valid, q_index, q_valid, metadata.routing, layer)
+    key_index, key_valid = padded_index(metadata.kv_start, metadata.kv_len, metadata.max_kv)
+    q_begin = metadata.cu_seqlens_q[:-1]
+    q_index, q_valid = padded_index(q_begin, metadata.cu_seqlens_q[1:] - q_begin, metadata.max_q)
+    return visible_keys(q, k_cache[key_index], key_valid, q_index.clamp(max=q.shape[0] - 1), q_valid,
+                        metadata.routing, layer)
 
 
 def visible_keys(q: torch.Tensor, keys: torch.Tensor, key_valid: torch.Tensor, q_index: torch.Tensor,

@@ -52,7 +52,7 @@ class LLMEngine:
                              f"(batch_invariant with kernels=False, on the CPU)")
         if params.kv_routing is not None and self.runner.batch_invariant:
             raise ValueError("kv_routing is not batch-invariant yet: its routed attention sums keys in the default "
-                             "order; use one of them")
+                             "order; drop kv_routing or batch_invariant")
         if method.uses_cache:
             if self.allocator is None:
                 cache = self.runner.allocate_cache(with_hidden=method.caches_hidden_states)

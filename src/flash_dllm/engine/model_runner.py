@@ -161,8 +161,9 @@ class ModelRunner:
             hidden_keys = torch.zeros(len(counts), max_kv, dtype=torch.bool, device=device)
             hidden_keys[rows.request, positions] = torch.ones_like(positions, dtype=torch.bool)  # `= True`: a host copy
             options.update(write_cache=False, hidden_keys=hidden_keys, self_visibility=visibility)
-        if any(batch.rows[b].params.kv_routing for b in (order or range(len(counts)))):
-            options["routing"] = self._routing(batch, order or list(range(len(counts))), rows, positions)
+        groups = list(range(len(counts))) if order is None else order  # each group's batch row
+        if any(batch.rows[b].params.kv_routing for b in groups):
+            options["routing"] = self._routing(batch, groups, rows, positions)
         metadata = AttentionMetadata.build(rows, kv_start, kv_len, positions, max_kv, ordered=self.batch_invariant,
                                            **options)
         if kept is not None and any(kept):

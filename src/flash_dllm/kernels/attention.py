@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..cache.attention_metadata import AttentionMetadata
+from ..cache.attention_metadata import AttentionMetadata, padded_index
 
 
 ORDER_CHUNK = 64
@@ -52,13 +52,6 @@ def ordered_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out, (weights / normaliser)[..., :K]
 
 
-def _padded_index(starts: torch.Tensor, lengths: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B] starts and lengths -> row index [B, width] (clamped in range) and validity [B, width]."""
-    offsets = torch.arange(width, device=starts.device)
-    valid = offsets < lengths[:, None]
-    return torch.where(valid, starts[:, None] + offsets, starts[:, None]), valid
-
-
 def ragged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
                          key_mass: torch.Tensor | None = None, k_new: torch.Tensor | None = None,
                          v_new: torch.Tensor | None = None, key_visible: torch.Tensor | None = None,
@@ -73,9 +66,9 @@ def ragged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     """
     group = q.shape[1] // k_cache.shape[1]
     q_lens = metadata.cu_seqlens_q[1:] - metadata.cu_seqlens_q[:-1]
-    q_index, q_valid = _padded_index(metadata.cu_seqlens_q[:-1], q_lens, metadata.max_q)
+    q_index, q_valid = padded_index(metadata.cu_seqlens_q[:-1], q_lens, metadata.max_q)
     q_index = q_index.clamp(max=q.shape[0] - 1)  # a request with no rows this pass
-    kv_index, kv_valid = _padded_index(metadata.kv_start, metadata.kv_len, metadata.max_kv)
+    kv_index, kv_valid = padded_index(metadata.kv_start, metadata.kv_len, metadata.max_kv)
     expand = lambda t: t.repeat_interleave(group, dim=2).transpose(1, 2)
     qp = q[q_index].transpose(1, 2)                                                  # [B, H, Q, D]
     kp, vp = expand(k_cache[kv_index]), expand(v_cache[kv_index])                   # [B, H, K, D]

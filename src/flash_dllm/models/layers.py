@@ -183,15 +183,15 @@ class Attention(nn.Module):
 
     def _kernel_attention(self, x, rope, metadata, cache, key_mass) -> torch.Tensor:
         k_cache, v_cache = cache.k[self.layer], cache.v[self.layer]
-        project = lambda slots, k_out, v_out: qkv_rope(
+        write_qkv = lambda slots, k_out, v_out: qkv_rope(
             x, self.qkv_proj.weight, self.qkv_proj.bias, rope.positions, slots, k_out, v_out, self.num_heads,
             self.rope_theta, invariant=metadata.ordered)
         if metadata.write_cache:
-            q = project(metadata.slot_mapping, k_cache, v_cache)
+            q = write_qkv(metadata.slot_mapping, k_cache, v_cache)
             return flash_attention(q, k_cache, v_cache, metadata, key_mass, **self._routed(q, k_cache, metadata))
         # A pass that must not write the cache (verify): its own K/V go to fresh rows.
         k_new, v_new = (x.new_empty(x.shape[0], self.num_kv_heads, self.head_dim) for _ in range(2))
-        q = project(torch.arange(x.shape[0], device=x.device), k_new, v_new)
+        q = write_qkv(torch.arange(x.shape[0], device=x.device), k_new, v_new)
         return flash_attention(q, k_cache, v_cache, metadata, key_mass, k_new=k_new, v_new=v_new,
                                **self._routed(q, k_cache, metadata))
 
