@@ -50,7 +50,7 @@ def main():
                                   max_kv=keys, track_rows=torch.rand(n, device="cuda") < 0.5)
         key_mass = torch.zeros(requests, keys, device="cuda") if mass else None
         config = launch_config(rows, num_seqs=requests)
-        splits = num_splits(requests * -(-rows // config["BLOCK_M"]) * HEADS, keys, config["BLOCK_N"])
+        splits = num_splits(requests * -(-rows // config["BLOCK_M"]) * HEADS, keys, config["BLOCK_N"], mass)
         one = timed_us(lambda: flash_attention(q, k, v, table, key_mass, splits=1))
         split = timed_us(lambda: flash_attention(q, k, v, table, key_mass))
         a, b = flash_attention(q, k, v, table, splits=1).double(), flash_attention(q, k, v, table).double()

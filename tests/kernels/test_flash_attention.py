@@ -7,7 +7,7 @@ import torch
 
 from flash_dllm.cache.attention_metadata import AttentionMetadata, cu_seqlens
 from flash_dllm.kernels.attention import ragged_attention_ref
-from flash_dllm.kernels.flash_attention import TARGET_PROGRAMS, flash_attention, num_splits
+from flash_dllm.kernels.flash_attention import TARGET_PROGRAMS, flash_attention, key_tiles, num_splits
 
 # (query rows per request, KV length per request, heads, kv heads, head_dim)
 CASES = {
@@ -130,6 +130,7 @@ def test_keys_split_only_when_the_programs_do_not_fill_the_gpu_over_a_long_promp
     assert num_splits(TARGET_PROGRAMS, 32768, 64) == 1
     assert num_splits(96, 768, 64) == 1              # batch 1, 144 query rows, 32 heads, a short prompt
     assert num_splits(96, 8192, 64) == 3             # the same over 8k keys: 288 programs
+    assert num_splits(96, 8192, 64, key_mass=True) == 1 and num_splits(96, 16384, 64, key_mass=True) == 3
     assert num_splits(32, 32768, 128) == 9           # batch 1, a block of 32 rows over a 32k-token prompt
 
 
@@ -167,3 +168,35 @@ def test_routed_keys_match_reference(case, dtype, splits):
     out = flash_attention(q, k_cache, v_cache, table, k_new=k_new, v_new=v_new, splits=splits, **routing)
     ref = ragged_attention_ref(q, k_cache, v_cache, table, k_new=k_new, v_new=v_new, **routing)
     assert rel_err(out, ref) < BUDGET[dtype]
+
+
+def chunk_routed_masks(q, table, kv_heads, dense_request, seed=3):
+    """Routed keys open by 32-key chunk (one in ten: whole key tiles closed) and the rows of one request that read
+    every key."""
+    g = torch.Generator().manual_seed(seed)
+    B, chunks = table.kv_start.shape[0], -(-table.max_kv // 32)
+    opened = torch.rand(B, kv_heads, chunks, generator=g) < 0.1
+    visible = opened.repeat_interleave(32, dim=-1)[..., :table.max_kv].to(DEVICE)
+    request = torch.repeat_interleave(torch.arange(B), table.cu_seqlens_q.diff().cpu())
+    return dict(key_visible=visible, dense_rows=(request == dense_request).to(DEVICE))
+
+
+@pytest.mark.parametrize("splits", SPLITS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_routed_tile_lists_visit_only_open_chunks(dtype, splits):
+    """Long ranges of mostly closed chunks: the kernel visits only the listed tiles (all of them for the request
+    whose rows read every key), with the key mass, and matches the reference."""
+    q, k_cache, v_cache, table = make_batch([4, 7, 3, 2], [600, 300, 0, 420], 4, 2, 32, dtype)
+    routing = chunk_routed_masks(q, table, 2, dense_request=1)
+    tiles, count = key_tiles(routing["key_visible"], routing["dense_rows"], table, 128)
+    padded = torch.nn.functional.pad(routing["key_visible"], (0, 40))  # max_kv 600 -> 5 tiles of 128
+    listed = padded.view(4, 2, 5, 128).any(-1) & (torch.arange(5, device=DEVICE) * 128 < table.kv_len[:, None, None])
+    assert not listed[[0, 3]].all()
+    assert torch.equal(count[[0, 3]], listed[[0, 3]].sum(-1, dtype=torch.int32))
+    assert count[1].tolist() == [3, 3] and count[2].tolist() == [0, 0]  # every tile of its 300 keys; no key
+    for b, h in [(0, 0), (0, 1), (3, 1)]:
+        assert tiles[b, h, :count[b, h]].tolist() == listed[b, h].nonzero().flatten().tolist()
+    mass, ref_mass = (torch.zeros(4, table.max_kv, device=DEVICE) for _ in range(2))
+    out = flash_attention(q, k_cache, v_cache, table, mass, splits=splits, **routing)
+    ref = ragged_attention_ref(q, k_cache, v_cache, table, ref_mass, **routing)
+    assert rel_err(out, ref) < BUDGET[dtype] and rel_err(mass, ref_mass) < BUDGET[dtype]

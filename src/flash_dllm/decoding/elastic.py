@@ -159,7 +159,8 @@ def _leading_groups(p: CachedPass, groups: int) -> tuple[AttentionMetadata, int]
     n, longest = sum(counts[:groups]), max(counts[:groups])
     metadata = AttentionMetadata(cu_seqlens_q=m.cu_seqlens_q[:groups + 1], kv_start=m.kv_start[:groups],
                                  kv_len=m.kv_len[:groups], slot_mapping=m.slot_mapping[:n], max_q=longest,
-                                 max_kv=longest, track_rows=m.track_rows[:n], ordered=m.ordered)
+                                 max_kv=longest, track_rows=m.track_rows[:n], ordered=m.ordered,
+                                 routing=None if m.routing is None else m.routing.leading(groups, n))
     return metadata, n
 
 

@@ -9,12 +9,17 @@ final softmax probability over the tile's tracked rows into one row per (query t
 Long prompts with few query rows (too few programs to fill the GPU) split each request's keys across programs:
 each split writes its partial max, sum and output, a second kernel merges them in a fixed order (and gives each
 row's log-sum-exp), and the key mass is then a sweep of its own over the splits.
+
+Routed prompt keys (key_visible) are visited through a list of key tiles per (request, KV head): the tiles that
+hold a key it reads (every tile where a request's own prompt rows are in the pass), so that a step reads only
+the open chunks of a long prompt; splits then divide each list.
 """
 from __future__ import annotations
 
 import os
 
 import torch
+import torch.nn.functional as F
 
 from ..cache.attention_metadata import AttentionMetadata
 from .attention import ordered_sum
@@ -45,16 +50,17 @@ def launch_config(max_q: int, verify: bool = False, num_seqs: int = 1, fp32: boo
 
 
 # Enough programs to fill the H200's 132 SMs about twice; fewer, over at least SPLIT_MIN_KEYS keys, and a launch
-# splits each request's keys (below that the merge costs more than the split saves: H200, 768 keys).
+# splits each request's keys (below that the merge costs more than the split saves: H200, 768 keys). With the
+# key mass, whose split sweep reads K again, from SPLIT_MIN_KEYS_WITH_MASS (H200: 0.97-0.99x at 8k, 1.07x at 32k).
 TARGET_PROGRAMS = 264
-SPLIT_MIN_KEYS = 4096
+SPLIT_MIN_KEYS, SPLIT_MIN_KEYS_WITH_MASS = 4096, 16384
 MIN_SPLIT_TILES = 2  # a split covers at least this many key tiles
 
 
-def num_splits(programs: int, max_kv: int, block_n: int) -> int:
+def num_splits(programs: int, max_kv: int, block_n: int, key_mass: bool = False) -> int:
     """Key splits per (request, query tile, head): 1 when `programs` fill the GPU or the keys are few, else
     enough to fill it, each at least MIN_SPLIT_TILES key tiles long."""
-    if programs >= TARGET_PROGRAMS or max_kv < SPLIT_MIN_KEYS:
+    if programs >= TARGET_PROGRAMS or max_kv < (SPLIT_MIN_KEYS_WITH_MASS if key_mass else SPLIT_MIN_KEYS):
         return 1
     return max(1, min(-(-TARGET_PROGRAMS // programs), max_kv // (MIN_SPLIT_TILES * block_n)))
 
@@ -88,7 +94,7 @@ def flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     tiles = triton.cdiv(metadata.max_q, config["BLOCK_M"])
     if splits is None:  # the batch-invariant mode never splits: the split count depends on the batch
         splits = 1 if metadata.ordered else num_splits(metadata.num_seqs * tiles * H, metadata.max_kv,
-                                                        config["BLOCK_N"])
+                                                        config["BLOCK_N"], track)
     kv_chunk = triton.cdiv(triton.cdiv(max(metadata.max_kv, 1), splits), config["BLOCK_N"]) * config["BLOCK_N"]
     grid = (metadata.num_seqs, tiles, H * splits)
     # A verify pass may end in padding rows that belong to no request (cuda_graphs.pad_verify_pass): no
@@ -105,11 +111,13 @@ def flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     # Dummy pointers for the disabled features; their constexpr flags keep them unread.
     k_new, v_new = (k_new, v_new) if has_new else (k_cache, v_cache)
     visibility = metadata.self_visibility.contiguous().view(torch.uint8) if has_new else q
+    has_dense = key_visible is not None and dense_rows is not None
+    listed = listed_count = q  # unread without routing
     if key_visible is not None:  # one mask per KV head: bit 0 hides a key from routed rows, bit 1 from every row
+        listed, listed_count = key_tiles(key_visible, dense_rows, metadata, config["BLOCK_N"])
         hidden = (~key_visible).to(torch.uint8) | (0 if hidden is None else 3 * hidden[:, None, :].to(torch.uint8))
     hidden = hidden.contiguous().view(torch.uint8) if hidden is not None else q
     stride_hh = hidden.stride(1) if key_visible is not None else 0
-    has_dense = key_visible is not None and dense_rows is not None
     dense_rows = dense_rows.contiguous().view(torch.uint8) if has_dense else q
     track_rows = metadata.track_rows.contiguous().view(torch.uint8) if track else q
     # Atomics would add the partial masses in a different order every run, and a near-tie in the tracked
@@ -120,13 +128,14 @@ def flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _flash_attention_kernel[grid](
         q, k_cache, v_cache, part_out, part_max, part_sum, k_new, v_new,
         metadata.cu_seqlens_q, metadata.kv_start, metadata.kv_len, hidden, visibility, track_rows, dense_rows, partial,
+        listed, listed_count, listed.stride(0) if listed is not q else 0, listed.stride(1) if listed is not q else 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         part_out.stride(-3), part_out.stride(-2), part_out.stride(0) if split else 0,
         part_max.stride(0) if split else 0, H, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         hidden.stride(0), stride_hh, visibility.stride(0), visibility.stride(1), partial.stride(0),
         partial.stride(1), D ** -0.5, D, kv_chunk, H,
         GROUP=group, HAS_HIDDEN=hidden is not q, HAS_NEW=has_new, TRACK=track and not split, HAS_DENSE=has_dense,
-        SPLIT=split, BLOCK_D=block_d, DOT_FP32=dot_fp32, **config)
+        SPLIT=split, HAS_TILES=listed is not q, BLOCK_D=block_d, DOT_FP32=dot_fp32, **config)
     if split:
         lse = torch.empty(N, H, device=q.device) if track else q
         _merge_splits_kernel[(N, H)](
@@ -136,14 +145,36 @@ def flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         if track:
             _key_mass_kernel[grid](
                 q, k_cache, lse, partial, metadata.cu_seqlens_q, metadata.kv_start, metadata.kv_len, hidden,
-                track_rows, dense_rows, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-                lse.stride(0), hidden.stride(0), stride_hh, partial.stride(0), partial.stride(1), D ** -0.5, D,
-                kv_chunk, H, GROUP=group, HAS_HIDDEN=hidden is not q, HAS_DENSE=has_dense,
+                track_rows, dense_rows, listed, listed_count, listed.stride(0) if listed is not q else 0,
+                listed.stride(1) if listed is not q else 0, q.stride(0), q.stride(1), k_cache.stride(0),
+                k_cache.stride(1), lse.stride(0), hidden.stride(0), stride_hh, partial.stride(0), partial.stride(1),
+                D ** -0.5, D, kv_chunk, H, GROUP=group, HAS_HIDDEN=hidden is not q, HAS_DENSE=has_dense,
+                HAS_TILES=listed is not q,
                 BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_D=block_d, DOT_FP32=dot_fp32,
                 num_warps=config["num_warps"], num_stages=config["num_stages"])
     if track:  # ordered: the rows of the other requests' extra query tiles are zeros after this one's
         key_mass += ordered_sum(partial, dim=1) if metadata.ordered else partial.sum(dim=1)
     return out
+
+
+def key_tiles(key_visible: torch.Tensor, dense_rows: torch.Tensor | None, metadata: AttentionMetadata,
+              block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """key_visible [B, Hkv, max_kv] -> (tiles [B, Hkv, T] int32, count [B, Hkv] int32): per request and KV head,
+    the indices of the key tiles of block_n keys that its rows read, ascending, in the first `count` entries:
+    the tiles with a visible key, or every tile of its range where one of its rows is in dense_rows."""
+    B, Hkv, K = key_visible.shape
+    T = triton.cdiv(max(K, 1), block_n)
+    listed = F.pad(key_visible, (0, T * block_n - K)).view(B, Hkv, T, block_n).any(dim=-1)
+    in_range = (torch.arange(T, device=key_visible.device) * block_n < metadata.kv_len[:, None])[:, None, :]
+    if dense_rows is not None:
+        dense_before = F.pad(dense_rows.long().cumsum(0), (1, 0))
+        cu = metadata.cu_seqlens_q
+        has_dense = (dense_before[cu[1:]] - dense_before[cu[:-1]]) > 0                          # [B]
+        listed = listed | has_dense[:, None, None]
+    listed = listed & in_range
+    index = torch.arange(T, device=key_visible.device, dtype=torch.int32)
+    tiles = torch.where(listed, index, index + T).sort(dim=-1).values                # listed first, in order
+    return tiles, listed.sum(dim=-1, dtype=torch.int32)
 
 
 if triton is not None:
@@ -164,6 +195,31 @@ if triton is not None:
         b_l = b_l * b_alpha + tl.sum(b_p, 1)
         b_acc = b_acc * b_alpha[:, None] + _dot(b_p.to(b_v.dtype), b_v, DOT_FP32)
         return b_m_new, b_l, b_acc
+
+    @triton.jit
+    def _key_range(seq, kv_head, num_kv_heads, split, kv_len, kv_chunk, tiles_ptr, count_ptr, stride_tb, stride_th,
+                   HAS_TILES: tl.constexpr, BLOCK_N: tl.constexpr):
+        """The loop bounds (first, end, step) of this split's cache keys, and its tile list's address: with
+        HAS_TILES the loop runs over entries of the list, the split taking its share of this list's tiles;
+        else over key offsets, the split taking kv_chunk keys."""
+        kv_len = kv_len.to(tl.int32)
+        if HAS_TILES:
+            p_tiles = tiles_ptr + seq * stride_tb + kv_head * stride_th
+            count = tl.load(count_ptr + seq * num_kv_heads + kv_head)
+            share = tl.cdiv(count, tl.cdiv(tl.maximum(kv_len, 1), kv_chunk))  # the same split count as the keys'
+            first, end, step = split * share, tl.minimum(count, split * share + share), 1
+        else:
+            p_tiles = tiles_ptr
+            first, end, step = split * kv_chunk, tl.minimum(kv_len, split * kv_chunk + kv_chunk), BLOCK_N
+        return first, end, step, p_tiles
+
+    @triton.jit
+    def _tile_start(i, p_tiles, HAS_TILES: tl.constexpr, BLOCK_N: tl.constexpr):
+        """The first key offset of loop entry i: a listed tile's, or i itself (a key offset)."""
+        start = i
+        if HAS_TILES:
+            start = tl.load(p_tiles + i) * BLOCK_N
+        return start
 
     @triton.jit
     def _cache_scores(b_q, k_ptr, hidden_ptr, seq, kv_begin, kv_len, start, kv_head, stride_kn, stride_kh,
@@ -191,16 +247,17 @@ if triton is not None:
     # Strides that vary with the step's shapes are not specialised on (divisibility by 16): each new
     # combination would compile a new kernel in the middle of decoding.
     @triton.jit(do_not_specialize=["stride_hb", "stride_hh", "stride_visb", "stride_visq", "stride_mb", "stride_mr",
-                                   "stride_os", "stride_ms", "kv_chunk"])
+                                   "stride_os", "stride_ms", "kv_chunk", "stride_tb", "stride_th"])
     def _flash_attention_kernel(
             q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr, kn_ptr, vn_ptr,
             cu_q_ptr, kv_start_ptr, kv_len_ptr, hidden_ptr, vis_ptr, track_ptr, dense_ptr, mass_ptr,
-            stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_os,
+            tiles_ptr, count_ptr, stride_tb, stride_th, stride_qn, stride_qh, stride_kn, stride_kh, stride_vn,
+            stride_vh, stride_on, stride_oh, stride_os,
             stride_ms, stride_mn, stride_knn, stride_knh, stride_vnn, stride_vnh, stride_hb, stride_hh, stride_visb,
             stride_visq, stride_mb, stride_mr, scale, D, kv_chunk, H,
             GROUP: tl.constexpr, HAS_HIDDEN: tl.constexpr, HAS_NEW: tl.constexpr, TRACK: tl.constexpr,
-            HAS_DENSE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-            BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr):
+            HAS_DENSE: tl.constexpr, SPLIT: tl.constexpr, HAS_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr):
         seq, tile = tl.program_id(0), tl.program_id(1)
         head, split = tl.program_id(2) % H, tl.program_id(2) // H
         q_begin = tl.load(cu_q_ptr + seq)
@@ -208,9 +265,9 @@ if triton is not None:
         if tile * BLOCK_M >= q_len:
             return
         kv_begin, kv_len = tl.load(kv_start_ptr + seq), tl.load(kv_len_ptr + seq)
-        kv_first = split * kv_chunk                                           # this split's cache keys
-        kv_end = tl.minimum(kv_len, kv_first + kv_chunk)
         kv_head = head // GROUP
+        kv_first, kv_end, step, p_tiles = _key_range(seq, kv_head, H // GROUP, split, kv_len, kv_chunk, tiles_ptr,
+                                                     count_ptr, stride_tb, stride_th, HAS_TILES, BLOCK_N)
         o_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)                          # query rows of the request
         o_d = tl.arange(0, BLOCK_D)
         m_m, m_d = o_m < q_len, o_d < D
@@ -225,8 +282,9 @@ if triton is not None:
         b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
         b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        for start in range(kv_first, kv_end, BLOCK_N):
-            b_s, m_key = _cache_scores(b_q, k_ptr, hidden_ptr, seq, kv_begin, kv_end, start, kv_head, stride_kn,
+        for i in range(kv_first, kv_end, step):
+            start = _tile_start(i, p_tiles, HAS_TILES, BLOCK_N)
+            b_s, m_key = _cache_scores(b_q, k_ptr, hidden_ptr, seq, kv_begin, kv_len, start, kv_head, stride_kn,
                                        stride_kh, stride_hb, stride_hh, qk_scale, o_d, m_d, b_dense, any_dense,
                                        HAS_HIDDEN, HAS_DENSE, BLOCK_N, DOT_FP32)
             b_v = tl.load(v_ptr + (kv_begin + start + tl.arange(0, BLOCK_N))[:, None] * stride_vn
@@ -262,8 +320,9 @@ if triton is not None:
             b_track = (tl.load(track_ptr + q_begin + o_m, mask=m_m, other=0) != 0) & (b_l > 0)
             b_lse = b_m + tl.log2(tl.where(b_track, b_l, 1.0))
             # A tile without tracked rows (decoded positions only) skips the sweep; its partial row stays 0.
-            sweep_len = tl.where(tl.sum(b_track.to(tl.int32), 0) > 0, kv_len, 0)
-            for start in range(0, sweep_len, BLOCK_N):
+            sweep_end = tl.where(tl.sum(b_track.to(tl.int32), 0) > 0, kv_end, kv_first)
+            for i in range(kv_first, sweep_end, step):
+                start = _tile_start(i, p_tiles, HAS_TILES, BLOCK_N)
                 b_s, m_key = _cache_scores(b_q, k_ptr, hidden_ptr, seq, kv_begin, kv_len, start, kv_head,
                                            stride_kn, stride_kh, stride_hb, stride_hh, qk_scale, o_d, m_d, b_dense,
                                            any_dense, HAS_HIDDEN, HAS_DENSE, BLOCK_N, DOT_FP32)
@@ -296,13 +355,15 @@ if triton is not None:
             tl.store(lse_ptr + row * stride_mn + head,
                      tl.where(b_sum > 0, b_max + tl.log2(tl.where(b_sum > 0, b_sum, 1.0)), float("-inf")))
 
-    @triton.jit(do_not_specialize=["stride_hb", "stride_hh", "stride_mb", "stride_mr", "kv_chunk"])
+    @triton.jit(do_not_specialize=["stride_hb", "stride_hh", "stride_mb", "stride_mr", "kv_chunk", "stride_tb",
+                                   "stride_th"])
     def _key_mass_kernel(
             q_ptr, k_ptr, lse_ptr, mass_ptr, cu_q_ptr, kv_start_ptr, kv_len_ptr, hidden_ptr, track_ptr, dense_ptr,
-            stride_qn, stride_qh, stride_kn, stride_kh, stride_lse, stride_hb, stride_hh, stride_mb, stride_mr,
+            tiles_ptr, count_ptr, stride_tb, stride_th, stride_qn, stride_qh, stride_kn, stride_kh, stride_lse,
+            stride_hb, stride_hh, stride_mb, stride_mr,
             scale, D, kv_chunk, H,
-            GROUP: tl.constexpr, HAS_HIDDEN: tl.constexpr, HAS_DENSE: tl.constexpr, BLOCK_M: tl.constexpr,
-            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr):
+            GROUP: tl.constexpr, HAS_HIDDEN: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_TILES: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr):
         """Each cache key's final probability (from the rows' log-sum-exp) summed over the tile's tracked rows,
         into row (tile, head) of the request's partial masses, over this program's split of the keys."""
         seq, tile = tl.program_id(0), tl.program_id(1)
@@ -312,8 +373,8 @@ if triton is not None:
         if tile * BLOCK_M >= q_len:
             return
         kv_begin, kv_len = tl.load(kv_start_ptr + seq), tl.load(kv_len_ptr + seq)
-        kv_first = split * kv_chunk
-        kv_end = tl.minimum(kv_len, kv_first + kv_chunk)
+        kv_first, kv_end, step, p_tiles = _key_range(seq, head // GROUP, H // GROUP, split, kv_len, kv_chunk,
+                                                     tiles_ptr, count_ptr, stride_tb, stride_th, HAS_TILES, BLOCK_N)
         o_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         o_d = tl.arange(0, BLOCK_D)
         m_m, m_d = o_m < q_len, o_d < D
@@ -329,8 +390,9 @@ if triton is not None:
         if HAS_DENSE:
             b_dense = (tl.load(dense_ptr + q_begin + o_m, mask=m_m, other=0) != 0) & m_m
         any_dense = tl.max(b_dense.to(tl.int32), 0)
-        for start in range(kv_first, kv_end, BLOCK_N):
-            b_s, m_key = _cache_scores(b_q, k_ptr, hidden_ptr, seq, kv_begin, kv_end, start, head // GROUP,
+        for i in range(kv_first, kv_end, step):
+            start = _tile_start(i, p_tiles, HAS_TILES, BLOCK_N)
+            b_s, m_key = _cache_scores(b_q, k_ptr, hidden_ptr, seq, kv_begin, kv_len, start, head // GROUP,
                                        stride_kn, stride_kh, stride_hb, stride_hh, qk_scale, o_d, m_d, b_dense,
                                        any_dense, HAS_HIDDEN, HAS_DENSE, BLOCK_N, DOT_FP32)
             b_p = tl.where(b_track[:, None], tl.exp2(b_s - b_lse[:, None]), 0.0)
