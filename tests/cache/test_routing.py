@@ -9,8 +9,8 @@ import torch
 from flash_dllm import LLM, SamplingParams
 from types import SimpleNamespace
 
-from flash_dllm.cache.routing import (CHUNK, POLICIES, SINKS, WINDOW, PromptRouting, chunks_opened, prompt_keys,
-                                      summarise, visible_keys)
+from flash_dllm.cache.routing import (CHUNK, POLICIES, SINKS, WINDOW, PromptRouting, chunks_opened, summarise,
+                                      visible_keys)
 
 B, K, HKV, GROUP, D = 3, 300, 2, 2, 8
 PROMPT = [260, 260, 200]
@@ -21,8 +21,8 @@ def routing_of(policies, budget=0.125, positions=None):
     rows = torch.arange(B).repeat_interleave(4)
     positions = torch.tensor(PROMPT).repeat_interleave(4) if positions is None else positions
     counters = torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.long)
-    return PromptRouting.build(PROMPT, [budget] * B, policies, rows, positions, torch.arange(B), *counters,
-                               lambda values: torch.tensor(values))
+    return PromptRouting.build(PROMPT, [p + 40 for p in PROMPT], [budget] * B, policies, rows, positions,
+                               torch.arange(B), *counters, lambda values: torch.tensor(values))
 
 
 def step(policies, budget=0.125, needle=None, positions=None):
@@ -34,11 +34,13 @@ def step(policies, budget=0.125, needle=None, positions=None):
     if needle is not None:
         b, chunk = needle
         keys[b, chunk * CHUNK:(chunk + 1) * CHUNK] = 3.0  # every query (positive) scores these keys highest
-    key_valid = torch.arange(K) < torch.tensor([p + 40 for p in PROMPT])[:, None]
+    kv_len = torch.tensor([p + 40 for p in PROMPT])
+    key_valid = torch.arange(K) < kv_len[:, None]
     routing = routing_of(policies, budget, positions)
-    metadata = SimpleNamespace(cu_seqlens_q=torch.arange(B + 1) * 4, max_q=4, routing=routing)
-    summaries = summarise(keys, prompt_keys(key_valid, routing))
-    return visible_keys(q, summaries, key_valid, metadata, layer=0), key_valid, routing
+    metadata = SimpleNamespace(cu_seqlens_q=torch.arange(B + 1) * 4, max_q=4, max_kv=K, kv_len=kv_len,
+                               kv_start=torch.zeros(B, dtype=torch.long), write_cache=True, routing=routing)
+    summaries = summarise(keys, routing.keys_of_pass(metadata, HKV).in_prompt)
+    return visible_keys(q, summaries, metadata, layer=0), key_valid, routing
 
 
 def test_the_budget_counts_sinks_and_window_in_whole_chunks():
@@ -79,8 +81,9 @@ def test_dense_requests_and_passes_with_prompt_rows_read_everything():
     assert torch.equal(visible[1], key_valid[1].expand(HKV, K))
     positions = torch.tensor(PROMPT).repeat_interleave(4)
     positions[0] = 5  # request 0 recomputes a prompt row (a tracked one, or a full pass)
-    visible, _, routing = step(["chunk"] * B, positions=positions)
-    assert routing.dense_rows.tolist() == [True] + [False] * (4 * B - 1)
+    visible, key_valid, routing = step(["chunk"] * B, positions=positions)
+    assert routing.prompt_rows.tolist() == [True] + [False] * (4 * B - 1)
+    assert torch.equal(visible[0], key_valid[0].expand(HKV, K))  # every row of the pass reads every key
     assert routing.keys_read[0] == routing.keys_dense[0]  # counted as read in full
     assert routing.keys_read[2] < routing.keys_dense[2]
 

@@ -142,20 +142,18 @@ def test_no_rows_and_verify_mass_refused():
 
 
 def routed_masks(q, k_cache, table, seed=2):
-    """Random routed keys [B, Hkv, max_kv] (about half) and rows that read every key [N] (about a quarter)."""
+    """Random routed keys [B, Hkv, max_kv] (about half)."""
     g = torch.Generator().manual_seed(seed)
     B, Hkv = table.kv_start.shape[0], k_cache.shape[1]
-    visible = (torch.rand(B, Hkv, table.max_kv, generator=g) < 0.5).to(DEVICE)
-    dense = (torch.rand(q.shape[0], generator=g) < 0.25).to(DEVICE)
-    return dict(key_visible=visible, dense_rows=dense)
+    return dict(key_visible=(torch.rand(B, Hkv, table.max_kv, generator=g) < 0.5).to(DEVICE))
 
 
 @pytest.mark.parametrize("splits", SPLITS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", ["ragged-gqa", "two-query-tiles", "dream-gqa-7"])
 def test_routed_keys_match_reference(case, dtype, splits):
-    """Each KV head reads only its routed keys, except the rows that read every key; with the key mass, and in
-    the verify pass (whose hidden keys stay hidden for every row)."""
+    """Each KV head reads only its routed keys; with the key mass, and in the verify pass (whose hidden keys stay
+    hidden)."""
     q, k_cache, v_cache, table = make_batch(*CASES[case], dtype)
     routing = routed_masks(q, k_cache, table)
     mass, ref_mass = (torch.zeros(table.kv_start.shape[0], table.max_kv, device=DEVICE) for _ in range(2))
@@ -170,25 +168,23 @@ def test_routed_keys_match_reference(case, dtype, splits):
     assert rel_err(out, ref) < BUDGET[dtype]
 
 
-def chunk_routed_masks(q, table, kv_heads, dense_request, seed=3):
-    """Routed keys open by 32-key chunk (one in ten: whole key tiles closed) and the rows of one request that read
-    every key."""
+def chunk_routed_masks(table, kv_heads, dense_request, seed=3):
+    """Routed keys open by 32-key chunk (one in ten: whole key tiles closed), every key of one request."""
     g = torch.Generator().manual_seed(seed)
     B, chunks = table.kv_start.shape[0], -(-table.max_kv // 32)
     opened = torch.rand(B, kv_heads, chunks, generator=g) < 0.1
-    visible = opened.repeat_interleave(32, dim=-1)[..., :table.max_kv].to(DEVICE)
-    request = torch.repeat_interleave(torch.arange(B), table.cu_seqlens_q.diff().cpu())
-    return dict(key_visible=visible, dense_rows=(request == dense_request).to(DEVICE))
+    opened[dense_request] = True
+    return dict(key_visible=opened.repeat_interleave(32, dim=-1)[..., :table.max_kv].to(DEVICE))
 
 
 @pytest.mark.parametrize("splits", SPLITS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_routed_tile_lists_visit_only_open_chunks(dtype, splits):
-    """Long ranges of mostly closed chunks: the kernel visits only the listed tiles (all of them for the request
-    whose rows read every key), with the key mass, and matches the reference."""
+    """Long ranges of mostly closed chunks: the kernel visits only the listed tiles (all of them for a request that
+    reads every key), with the key mass, and matches the reference."""
     q, k_cache, v_cache, table = make_batch([4, 7, 3, 2], [600, 300, 0, 420], 4, 2, 32, dtype)
-    routing = chunk_routed_masks(q, table, 2, dense_request=1)
-    tiles, count = key_tiles(routing["key_visible"], routing["dense_rows"], table, 128)
+    routing = chunk_routed_masks(table, 2, dense_request=1)
+    tiles, count = key_tiles(routing["key_visible"], table, 128)
     padded = torch.nn.functional.pad(routing["key_visible"], (0, 40))  # max_kv 600 -> 5 tiles of 128
     listed = padded.view(4, 2, 5, 128).any(-1) & (torch.arange(5, device=DEVICE) * 128 < table.kv_len[:, None, None])
     assert not listed[[0, 3]].all()

@@ -19,26 +19,19 @@ except ImportError:  # the reference works without triton; only the kernel needs
     triton = None
 
 
-def chunk_rows(metadata, scratch_row: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per query row of a routed pass that writes the cache: its cache chunk (-1 where it writes no prompt key:
-    not a prompt row, or its K/V go to the scratch row) and the end of its request's prompt in cache rows."""
-    routing = metadata.routing
-    prompt_end = metadata.kv_start[routing.row_request] + routing.prompt_len[routing.row_request]
-    slots = metadata.slot_mapping
-    return torch.where(routing.dense_rows & (slots != scratch_row), slots // CHUNK, -1), prompt_end
-
-
 def write_chunk_summaries_ref(k_cache: torch.Tensor, summaries: torch.Tensor, chunk: torch.Tensor,
                               prompt_end: torch.Tensor):
-    """k_cache [rows, Hkv, D]; summaries [rows / CHUNK, 3, Hkv, D]; chunk, prompt_end [N] (`chunk_rows`):
-    rewrite the summary of each chunk >= 0 from its cache rows below prompt_end (host syncs: the reference)."""
+    """k_cache [rows, Hkv, D]; summaries [rows / CHUNK, 3, Hkv, D]; chunk, prompt_end [N]
+    (PromptRouting.written_chunks): rewrite the summary of each chunk >= 0 from its cache rows below prompt_end
+    (host syncs: the reference)."""
     chunk, prompt_end = chunk[chunk >= 0], prompt_end[chunk >= 0]
     if chunk.numel() == 0:
         return
     rows = chunk[:, None] * CHUNK + torch.arange(CHUNK, device=chunk.device)
     member = rows < prompt_end[:, None]
     keys = k_cache[rows.clamp(max=k_cache.shape[0] - 1)]                                  # [n, CHUNK, Hkv, D]
-    summaries[chunk] = summarise(keys, member)[:, 0].to(summaries.dtype)
+    parts = summarise(keys, member)
+    summaries[chunk] = torch.stack([parts[0], parts[1], parts[2]], dim=2)[:, 0].to(summaries.dtype)
 
 
 def write_chunk_summaries(k_cache: torch.Tensor, summaries: torch.Tensor, chunk: torch.Tensor,

@@ -68,15 +68,15 @@ def num_splits(programs: int, max_kv: int, block_n: int, key_mass: bool = False)
 def flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
                     key_mass: torch.Tensor | None = None, k_new: torch.Tensor | None = None,
                     v_new: torch.Tensor | None = None, key_visible: torch.Tensor | None = None,
-                    dense_rows: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:
+                    splits: int | None = None) -> torch.Tensor:
     """q [N, H, D]; k_cache, v_cache [rows, Hkv, D] -> out [N, H, D] in q's dtype; a drop-in for
     ragged_attention_ref (same arguments, same result).
 
     key_mass [B, max_kv] fp32 (needs metadata.track_rows): += the softmax probability each cache key receives,
     summed over heads and tracked rows. k_new, v_new [N, Hkv, D] (with metadata.self_visibility): the rows also
     attend to the pass's own keys, and metadata.hidden_keys hides cache keys. key_visible [B, Hkv, max_kv]
-    bool (routed prompt keys): each KV head reads only the keys it marks (the others are never loaded), except
-    the rows marked in dense_rows [N] bool, which read every key. A row that sees no key gets 0.
+    bool (routed prompt keys): each KV head reads only the keys it marks (the others are never loaded, and the
+    key tiles without one are never visited). A row that sees no key gets 0.
     splits: key splits per program (default: `num_splits`; always 1 in the batch-invariant mode).
     """
     if triton is None:
@@ -111,14 +111,12 @@ def flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     # Dummy pointers for the disabled features; their constexpr flags keep them unread.
     k_new, v_new = (k_new, v_new) if has_new else (k_cache, v_cache)
     visibility = metadata.self_visibility.contiguous().view(torch.uint8) if has_new else q
-    has_dense = key_visible is not None and dense_rows is not None
     listed = listed_count = q  # unread without routing
-    if key_visible is not None:  # one mask per KV head: bit 0 hides a key from routed rows, bit 1 from every row
-        listed, listed_count = key_tiles(key_visible, dense_rows, metadata, config["BLOCK_N"])
-        hidden = (~key_visible).to(torch.uint8) | (0 if hidden is None else 3 * hidden[:, None, :].to(torch.uint8))
+    if key_visible is not None:  # one mask per KV head
+        listed, listed_count = key_tiles(key_visible, metadata, config["BLOCK_N"])
+        hidden = ~key_visible if hidden is None else ~key_visible | hidden[:, None, :]
     hidden = hidden.contiguous().view(torch.uint8) if hidden is not None else q
     stride_hh = hidden.stride(1) if key_visible is not None else 0
-    dense_rows = dense_rows.contiguous().view(torch.uint8) if has_dense else q
     track_rows = metadata.track_rows.contiguous().view(torch.uint8) if track else q
     # Atomics would add the partial masses in a different order every run, and a near-tie in the tracked
     # set could then flip a token; partial rows summed after the launch give the same mass every time.
@@ -127,14 +125,14 @@ def flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_d = max(16, triton.next_power_of_2(D))
     _flash_attention_kernel[grid](
         q, k_cache, v_cache, part_out, part_max, part_sum, k_new, v_new,
-        metadata.cu_seqlens_q, metadata.kv_start, metadata.kv_len, hidden, visibility, track_rows, dense_rows, partial,
+        metadata.cu_seqlens_q, metadata.kv_start, metadata.kv_len, hidden, visibility, track_rows, partial,
         listed, listed_count, listed.stride(0) if listed is not q else 0, listed.stride(1) if listed is not q else 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         part_out.stride(-3), part_out.stride(-2), part_out.stride(0) if split else 0,
         part_max.stride(0) if split else 0, H, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         hidden.stride(0), stride_hh, visibility.stride(0), visibility.stride(1), partial.stride(0),
         partial.stride(1), D ** -0.5, D, kv_chunk, H,
-        GROUP=group, HAS_HIDDEN=hidden is not q, HAS_NEW=has_new, TRACK=track and not split, HAS_DENSE=has_dense,
+        GROUP=group, HAS_HIDDEN=hidden is not q, HAS_NEW=has_new, TRACK=track and not split,
         SPLIT=split, HAS_TILES=listed is not q, BLOCK_D=block_d, DOT_FP32=dot_fp32, **config)
     if split:
         lse = torch.empty(N, H, device=q.device) if track else q
@@ -145,10 +143,10 @@ def flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         if track:
             _key_mass_kernel[grid](
                 q, k_cache, lse, partial, metadata.cu_seqlens_q, metadata.kv_start, metadata.kv_len, hidden,
-                track_rows, dense_rows, listed, listed_count, listed.stride(0) if listed is not q else 0,
+                track_rows, listed, listed_count, listed.stride(0) if listed is not q else 0,
                 listed.stride(1) if listed is not q else 0, q.stride(0), q.stride(1), k_cache.stride(0),
                 k_cache.stride(1), lse.stride(0), hidden.stride(0), stride_hh, partial.stride(0), partial.stride(1),
-                D ** -0.5, D, kv_chunk, H, GROUP=group, HAS_HIDDEN=hidden is not q, HAS_DENSE=has_dense,
+                D ** -0.5, D, kv_chunk, H, GROUP=group, HAS_HIDDEN=hidden is not q,
                 HAS_TILES=listed is not q,
                 BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_D=block_d, DOT_FP32=dot_fp32,
                 num_warps=config["num_warps"], num_stages=config["num_stages"])
@@ -157,20 +155,15 @@ def flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
-def key_tiles(key_visible: torch.Tensor, dense_rows: torch.Tensor | None, metadata: AttentionMetadata,
+def key_tiles(key_visible: torch.Tensor, metadata: AttentionMetadata,
               block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """key_visible [B, Hkv, max_kv] -> (tiles [B, Hkv, T] int32, count [B, Hkv] int32): per request and KV head,
-    the indices of the key tiles of block_n keys that its rows read, ascending, in the first `count` entries:
-    the tiles with a visible key, or every tile of its range where one of its rows is in dense_rows."""
+    the indices of its range's key tiles of block_n keys that hold a visible key, ascending, in the first `count`
+    entries."""
     B, Hkv, K = key_visible.shape
     T = triton.cdiv(max(K, 1), block_n)
     listed = F.pad(key_visible, (0, T * block_n - K)).view(B, Hkv, T, block_n).any(dim=-1)
     in_range = (torch.arange(T, device=key_visible.device) * block_n < metadata.kv_len[:, None])[:, None, :]
-    if dense_rows is not None:
-        dense_before = F.pad(dense_rows.long().cumsum(0), (1, 0))
-        cu = metadata.cu_seqlens_q
-        has_dense = (dense_before[cu[1:]] - dense_before[cu[:-1]]) > 0                          # [B]
-        listed = listed | has_dense[:, None, None]
     listed = listed & in_range
     index = torch.arange(T, device=key_visible.device, dtype=torch.int32)
     tiles = torch.where(listed, index, index + T).sort(dim=-1).values                # listed first, in order
@@ -223,26 +216,19 @@ if triton is not None:
 
     @triton.jit
     def _cache_scores(b_q, k_ptr, hidden_ptr, seq, kv_begin, kv_len, start, kv_head, stride_kn, stride_kh,
-                      stride_hb, stride_hh, qk_scale, o_d, m_d, b_dense, any_dense, HAS_HIDDEN: tl.constexpr,
-                      HAS_DENSE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr):
+                      stride_hb, stride_hh, qk_scale, o_d, m_d, HAS_HIDDEN: tl.constexpr, BLOCK_N: tl.constexpr,
+                      DOT_FP32: tl.constexpr):
         """Log2-domain scores [M, BLOCK_N] of the cache keys start.. of the request (-inf where out of range
-        or hidden; the rows b_dense see every key in range) and the mask of the keys loaded."""
+        or hidden) and the mask of the keys loaded."""
         o_n = start + tl.arange(0, BLOCK_N)
-        m_valid = o_n < kv_len
-        m_key, m_all = m_valid, m_valid  # the keys of the (routed) rows, and of the rows that read every key
+        m_key = o_n < kv_len
         if HAS_HIDDEN:
-            b_hidden = tl.load(hidden_ptr + seq * stride_hb + kv_head * stride_hh + o_n, mask=m_valid, other=3)
-            m_key = m_valid & ((b_hidden & 1) == 0)
-            m_all = m_valid & ((b_hidden & 2) == 0)
-        m_load = m_key
-        if HAS_DENSE:
-            m_load = m_key | (m_all & ((tl.zeros([BLOCK_N], dtype=tl.int32) + any_dense) != 0))
+            b_hidden = tl.load(hidden_ptr + seq * stride_hb + kv_head * stride_hh + o_n, mask=m_key, other=1)
+            m_key = m_key & (b_hidden == 0)
         b_k = tl.load(k_ptr + (kv_begin + o_n)[:, None] * stride_kn + kv_head * stride_kh + o_d[None, :],
-                      mask=m_load[:, None] & m_d[None, :], other=0.0)
+                      mask=m_key[:, None] & m_d[None, :], other=0.0)
         b_s = _dot(b_q, tl.trans(b_k), DOT_FP32) * qk_scale
-        if HAS_DENSE:
-            return tl.where(m_key[None, :] | (b_dense[:, None] & m_all[None, :]), b_s, float("-inf")), m_load
-        return tl.where(m_key[None, :], b_s, float("-inf")), m_load
+        return tl.where(m_key[None, :], b_s, float("-inf")), m_key
 
     # Strides that vary with the step's shapes are not specialised on (divisibility by 16): each new
     # combination would compile a new kernel in the middle of decoding.
@@ -250,13 +236,13 @@ if triton is not None:
                                    "stride_os", "stride_ms", "kv_chunk", "stride_tb", "stride_th"])
     def _flash_attention_kernel(
             q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr, kn_ptr, vn_ptr,
-            cu_q_ptr, kv_start_ptr, kv_len_ptr, hidden_ptr, vis_ptr, track_ptr, dense_ptr, mass_ptr,
+            cu_q_ptr, kv_start_ptr, kv_len_ptr, hidden_ptr, vis_ptr, track_ptr, mass_ptr,
             tiles_ptr, count_ptr, stride_tb, stride_th, stride_qn, stride_qh, stride_kn, stride_kh, stride_vn,
             stride_vh, stride_on, stride_oh, stride_os,
             stride_ms, stride_mn, stride_knn, stride_knh, stride_vnn, stride_vnh, stride_hb, stride_hh, stride_visb,
             stride_visq, stride_mb, stride_mr, scale, D, kv_chunk, H,
             GROUP: tl.constexpr, HAS_HIDDEN: tl.constexpr, HAS_NEW: tl.constexpr, TRACK: tl.constexpr,
-            HAS_DENSE: tl.constexpr, SPLIT: tl.constexpr, HAS_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
+            SPLIT: tl.constexpr, HAS_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr):
         seq, tile = tl.program_id(0), tl.program_id(1)
         head, split = tl.program_id(2) % H, tl.program_id(2) // H
@@ -274,10 +260,6 @@ if triton is not None:
         b_q = tl.load(q_ptr + (q_begin + o_m)[:, None] * stride_qn + head * stride_qh + o_d[None, :],
                       mask=m_m[:, None] & m_d[None, :], other=0.0)
         qk_scale = scale * 1.4426950408889634  # exp(x) = exp2(x * log2(e))
-        b_dense = m_m & False  # rows that read every key past the routing (a routed pass's prompt rows)
-        if HAS_DENSE:
-            b_dense = (tl.load(dense_ptr + q_begin + o_m, mask=m_m, other=0) != 0) & m_m
-        any_dense = tl.max(b_dense.to(tl.int32), 0)  # 1 if the tile has such a row
 
         b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -285,8 +267,8 @@ if triton is not None:
         for i in range(kv_first, kv_end, step):
             start = _tile_start(i, p_tiles, HAS_TILES, BLOCK_N)
             b_s, m_key = _cache_scores(b_q, k_ptr, hidden_ptr, seq, kv_begin, kv_len, start, kv_head, stride_kn,
-                                       stride_kh, stride_hb, stride_hh, qk_scale, o_d, m_d, b_dense, any_dense,
-                                       HAS_HIDDEN, HAS_DENSE, BLOCK_N, DOT_FP32)
+                                       stride_kh, stride_hb, stride_hh, qk_scale, o_d, m_d, HAS_HIDDEN, BLOCK_N,
+                                       DOT_FP32)
             b_v = tl.load(v_ptr + (kv_begin + start + tl.arange(0, BLOCK_N))[:, None] * stride_vn
                           + kv_head * stride_vh + o_d[None, :], mask=m_key[:, None] & m_d[None, :], other=0.0)
             b_m, b_l, b_acc = _softmax_step(b_s, b_v, b_m, b_l, b_acc, DOT_FP32)
@@ -324,8 +306,8 @@ if triton is not None:
             for i in range(kv_first, sweep_end, step):
                 start = _tile_start(i, p_tiles, HAS_TILES, BLOCK_N)
                 b_s, m_key = _cache_scores(b_q, k_ptr, hidden_ptr, seq, kv_begin, kv_len, start, kv_head,
-                                           stride_kn, stride_kh, stride_hb, stride_hh, qk_scale, o_d, m_d, b_dense,
-                                           any_dense, HAS_HIDDEN, HAS_DENSE, BLOCK_N, DOT_FP32)
+                                           stride_kn, stride_kh, stride_hb, stride_hh, qk_scale, o_d, m_d,
+                                           HAS_HIDDEN, BLOCK_N, DOT_FP32)
                 b_p = tl.where(b_track[:, None], tl.exp2(b_s - b_lse[:, None]), 0.0)
                 o_n = start + tl.arange(0, BLOCK_N)
                 p_mass = mass_ptr + seq * stride_mb + (tile * H + head) * stride_mr + o_n
@@ -358,11 +340,11 @@ if triton is not None:
     @triton.jit(do_not_specialize=["stride_hb", "stride_hh", "stride_mb", "stride_mr", "kv_chunk", "stride_tb",
                                    "stride_th"])
     def _key_mass_kernel(
-            q_ptr, k_ptr, lse_ptr, mass_ptr, cu_q_ptr, kv_start_ptr, kv_len_ptr, hidden_ptr, track_ptr, dense_ptr,
+            q_ptr, k_ptr, lse_ptr, mass_ptr, cu_q_ptr, kv_start_ptr, kv_len_ptr, hidden_ptr, track_ptr,
             tiles_ptr, count_ptr, stride_tb, stride_th, stride_qn, stride_qh, stride_kn, stride_kh, stride_lse,
             stride_hb, stride_hh, stride_mb, stride_mr,
             scale, D, kv_chunk, H,
-            GROUP: tl.constexpr, HAS_HIDDEN: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_TILES: tl.constexpr,
+            GROUP: tl.constexpr, HAS_HIDDEN: tl.constexpr, HAS_TILES: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr):
         """Each cache key's final probability (from the rows' log-sum-exp) summed over the tile's tracked rows,
         into row (tile, head) of the request's partial masses, over this program's split of the keys."""
@@ -386,15 +368,11 @@ if triton is not None:
                       mask=m_m[:, None] & m_d[None, :], other=0.0)
         b_lse = tl.where(b_track, b_lse, 0.0)
         qk_scale = scale * 1.4426950408889634
-        b_dense = m_m & False
-        if HAS_DENSE:
-            b_dense = (tl.load(dense_ptr + q_begin + o_m, mask=m_m, other=0) != 0) & m_m
-        any_dense = tl.max(b_dense.to(tl.int32), 0)
         for i in range(kv_first, kv_end, step):
             start = _tile_start(i, p_tiles, HAS_TILES, BLOCK_N)
             b_s, m_key = _cache_scores(b_q, k_ptr, hidden_ptr, seq, kv_begin, kv_len, start, head // GROUP,
-                                       stride_kn, stride_kh, stride_hb, stride_hh, qk_scale, o_d, m_d, b_dense,
-                                       any_dense, HAS_HIDDEN, HAS_DENSE, BLOCK_N, DOT_FP32)
+                                       stride_kn, stride_kh, stride_hb, stride_hh, qk_scale, o_d, m_d, HAS_HIDDEN,
+                                       BLOCK_N, DOT_FP32)
             b_p = tl.where(b_track[:, None], tl.exp2(b_s - b_lse[:, None]), 0.0)
             o_n = start + tl.arange(0, BLOCK_N)
             p_mass = mass_ptr + seq * stride_mb + (tile * H + head) * stride_mr + o_n

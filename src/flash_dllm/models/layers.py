@@ -18,7 +18,7 @@ from ..cache.kv_cache import KVCache
 from ..config import ModelConfig
 from ..cache.routing import CHUNK, route, route_stored
 from ..kernels.attention import ordered_attention, ragged_attention_ref
-from ..kernels.chunk_summaries import chunk_rows, write_chunk_summaries
+from ..kernels.chunk_summaries import write_chunk_summaries
 from ..kernels.flash_attention import flash_attention
 from ..kernels.fused_qkv_rope import qkv_rope
 from ..kernels.invariant_matmul import invariant_matmul
@@ -176,19 +176,20 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(N, -1))
 
     def _routed(self, q: torch.Tensor, cache: KVCache, metadata: AttentionMetadata, kernels: bool) -> dict:
-        """The attention's routing arguments: the cache keys each request's KV head reads this pass, where its
-        prompt keys are routed, and the rows that read every key. `kernels`: from the chunk summaries kept
-        beside the cache, first rewritten where the pass wrote prompt keys; else the reference's, from the cache."""
+        """The attention's routing argument: the cache keys each request's KV head reads this pass, where its
+        prompt keys are routed. `kernels`: from the chunk summaries kept beside the cache, first rewritten where
+        the pass wrote prompt keys; else the reference's, from the cache."""
         if metadata.routing is None:
             return {}
         if kernels:
             summaries = cache.chunk_summaries(CHUNK)[self.layer]
             if metadata.write_cache:
-                write_chunk_summaries(cache.k[self.layer], summaries, *chunk_rows(metadata, cache.scratch_row))
+                written = metadata.routing.written_chunks(metadata, cache.scratch_row)
+                write_chunk_summaries(cache.k[self.layer], summaries, *written)
             visible = route_stored(q, summaries, metadata, self.layer)
         else:
             visible = route(q, cache.k[self.layer], metadata, self.layer)
-        return dict(key_visible=visible, dense_rows=metadata.routing.dense_rows)
+        return dict(key_visible=visible)
 
     def _kernel_attention(self, x, rope, metadata, cache, key_mass) -> torch.Tensor:
         k_cache, v_cache = cache.k[self.layer], cache.v[self.layer]
