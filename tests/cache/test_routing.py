@@ -21,7 +21,7 @@ def routing_of(policies, budget=0.125, positions=None):
     rows = torch.arange(B).repeat_interleave(4)
     positions = torch.tensor(PROMPT).repeat_interleave(4) if positions is None else positions
     counters = torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.long)
-    return PromptRouting.build(PROMPT, [p + 40 for p in PROMPT], [budget] * B, policies, rows, positions,
+    return PromptRouting.build(PROMPT, [p + 40 for p in PROMPT], [4] * B, [budget] * B, policies, rows, positions,
                                torch.arange(B), *counters, lambda values: torch.tensor(values))
 
 
@@ -135,3 +135,14 @@ def test_settings_are_checked(gqa_checkpoint):
     llm = LLM(gqa_checkpoint, device="cpu", dtype="float32", batch_invariant=True)
     out = llm.generate(prompts(1), SamplingParams(method="dual-cache", kv_routing="chunk"), use_tqdm=False)[0]
     assert out.finish_reason == "error" and "not batch-invariant" in out.error
+
+
+def test_a_pass_with_more_rows_than_a_generated_part_reads_in_full():
+    """Every routed request of the pass has more rows than its generated part (a full pass): it cannot be pure, so
+    the pass runs the dense attention and only counts its keys; one request that may be pure routes the pass."""
+    build = lambda counts, policies: PromptRouting.build(
+        [100, 100], [140, 140], counts, [0.1, 0.1], policies, torch.zeros(sum(counts), dtype=torch.long),
+        torch.zeros(sum(counts), dtype=torch.long), torch.arange(2), torch.zeros(2), torch.zeros(2), torch.tensor)
+    assert build([140, 41], ["chunk", "chunk"]).read_in_full
+    assert build([140, 8], ["chunk", None]).read_in_full  # the unrouted request reads in full anyway
+    assert not build([140, 40], ["chunk", "chunk"]).read_in_full

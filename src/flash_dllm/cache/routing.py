@@ -61,6 +61,8 @@ class PromptRouting:
     policies: tuple[str, ...]  # the policies present (host: only their scores are computed)
     max_top_k: int             # the largest top_k (a host number: the top-k's width)
     max_routed_rows: int       # an upper bound of a pure request's rows (its generated part's length)
+    read_in_full: bool         # no request can be pure (each has more rows than its generated part) or routed:
+                               # the pass reads every key, unrouted, and only counts them
     row_request: torch.Tensor  # [N] long: each query row's request
     prompt_rows: torch.Tensor  # [N] bool: the pass's rows in their request's prompt
     pure: torch.Tensor         # [B] bool: the pass has no prompt row of the request (it reads its prompt routed)
@@ -71,11 +73,12 @@ class PromptRouting:
     written: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False)  # and `written_chunks`
 
     @classmethod
-    def build(cls, prompt_lens: list[int], lengths: list[int], budgets: list[float], policies: list[str | None],
-              row_request: torch.Tensor, positions: torch.Tensor, batch_row: torch.Tensor, keys_read: torch.Tensor,
-              keys_dense: torch.Tensor, constant) -> PromptRouting:
-        """row_request, positions [N]: each query row's request and position. `constant`: host list -> device
-        tensor (the runner's, which keeps repeating lists on the device)."""
+    def build(cls, prompt_lens: list[int], lengths: list[int], row_counts: list[int], budgets: list[float],
+              policies: list[str | None], row_request: torch.Tensor, positions: torch.Tensor, batch_row: torch.Tensor,
+              keys_read: torch.Tensor, keys_dense: torch.Tensor, constant) -> PromptRouting:
+        """Per request: prompt and sequence lengths, query rows in the pass, budget and policy; row_request,
+        positions [N]: each query row's request and position. `constant`: host list -> device tensor (the
+        runner's, which keeps repeating lists on the device)."""
         top_k = [chunks_opened(length, budget) if policy else 0
                  for length, budget, policy in zip(prompt_lens, budgets, policies)]
         prompt_len = constant(prompt_lens)
@@ -83,8 +86,10 @@ class PromptRouting:
         counts = torch.zeros_like(prompt_len).index_add_(0, row_request, prompt_rows.long())
         return cls(prompt_len, constant(top_k), constant([POLICIES.index(p) if p else -1 for p in policies]),
                    tuple(sorted({p for p in policies if p}, key=POLICIES.index)), max(top_k),
-                   max(length - prompt for length, prompt in zip(lengths, prompt_lens)), row_request, prompt_rows,
-                   counts == 0, batch_row, keys_read, keys_dense)
+                   max(length - prompt for length, prompt in zip(lengths, prompt_lens)),
+                   all(not policy or rows > length - prompt
+                       for policy, rows, length, prompt in zip(policies, row_counts, lengths, prompt_lens)),
+                   row_request, prompt_rows, counts == 0, batch_row, keys_read, keys_dense)
 
     def leading(self, groups: int, rows: int) -> PromptRouting:
         """The routing of a pass's first `groups` requests, which own its first `rows` query rows."""
@@ -137,6 +142,14 @@ def _pass_keys(routing: PromptRouting, metadata, num_kv_heads: int) -> PassKeys:
     cache_chunk = metadata.kv_start[:, None] // CHUNK + torch.arange(C, device=positions.device)
     return PassKeys(in_prompt, routable, competes, always[:, None, :], (positions // CHUNK).expand(B, num_kv_heads, K),
                     q_index, q_valid & routing.pure[:, None], in_prompt.sum(dim=1) * num_kv_heads, cache_chunk)
+
+
+def count_in_full(metadata, num_kv_heads: int):
+    """A pass that reads every key (`read_in_full`): count its prompt keys as read, for one layer."""
+    routing = metadata.routing
+    dense = torch.minimum(routing.prompt_len, metadata.kv_len) * num_kv_heads
+    routing.keys_read.index_add_(0, routing.batch_row, dense)
+    routing.keys_dense.index_add_(0, routing.batch_row, dense)
 
 
 def route(q: torch.Tensor, k_cache: torch.Tensor, metadata, layer: int) -> torch.Tensor:
