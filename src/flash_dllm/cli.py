@@ -201,10 +201,13 @@ def bench_cases(args):
     """(SamplingParams, batch size) for each method (at its published block length unless --block-length says
     otherwise) and batch size of a `bench step` or `bench generate` command."""
     for method in args.methods:
-        params = SamplingParams(method=method, max_tokens=args.max_tokens,
-                                block_length=args.block_length or method_of(method).published_block_length)
-        for batch in args.batch_sizes:
-            yield params, batch
+        for routing in getattr(args, "kv_routing", None) or ["dense"]:
+            routed = {} if routing == "dense" else dict(kv_routing=routing, kv_budget=args.kv_budget)
+            params = SamplingParams(method=method, max_tokens=args.max_tokens,
+                                    block_length=args.block_length or method_of(method).published_block_length,
+                                    **routed)
+            for batch in args.batch_sizes:
+                yield params, batch
 
 
 def cmd_bench(args):
@@ -247,8 +250,8 @@ def cmd_bench(args):
     results = []
     for params, batch in bench_cases(args):
         results.append(r := bench_step(llm, params, batch, args.prompt_length, args.warmup, args.iters))
-        print(f"{params.method} batch {batch}: {r.ms_per_iter:.2f} ms/iter, {r.query_rows:.0f} query rows, "
-              f"{r.ratio:.2f}x floor", file=sys.stderr, flush=True)  # progress, in case a long run is cut short
+        print(f"{params.method} {r.routing} batch {batch}: {r.ms_per_iter:.2f} ms/iter, {r.query_rows:.0f} query "
+              f"rows, {r.ratio:.2f}x floor", file=sys.stderr, flush=True)  # progress, in case a long run is cut short
     if not all(r.forced for r in results):
         print("warning: some method decoded other than 1 token per iteration; the work is not identical "
               "across methods (a trained model?)", file=sys.stderr)
@@ -495,6 +498,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                                "sightings and capture of the steady step's CUDA graph)")
     step.add_argument("--iters", type=int, default=64,
                       help="timed iterations; a multiple of the block lengths times each cache refresh at its rate")
+    step.add_argument("--kv-routing", nargs="+", choices=["dense", *POLICIES],
+                      help="each method with each of these prompt-KV routings (default: dense only)")
+    step.add_argument("--kv-budget", type=float, default=0.125,
+                      help="with --kv-routing: the fraction of the prompt's keys a step reads, in (0, 1]")
     step.set_defaults(func=cmd_bench)
     generate = bench_sub.add_parser("generate", help="end to end through LLM.generate: wall time per iteration, "
                                                      "tokens/s, NFE and tokens per step per method and batch size")

@@ -22,7 +22,8 @@ class SamplingParams:
     kv_routing: None (dense) or how a cached method reads the prompt's KV: "chunk", "centroid", "window" or
         "random" (cache/routing.py); only the prompt's chunks that the step's queries may need are read.
     kv_budget: with kv_routing, the fraction of the prompt's keys each step reads, in (0, 1] (sinks and the
-        recent window included; 1 reads every chunk).
+        recent window included; 1 reads every chunk). Under 1, Flash-Cache and Flash-Verify stop recomputing
+        prompt positions after the first pass (decoding/flash_cache.py).
     settings: the method's settings dataclass (its knobs and their defaults: `method_of(method).Settings`).
         Knobs may also be given as keywords, `SamplingParams(method="flash-cache", tracking_budget=40)`; a
         knob that the method does not read is an error.
@@ -67,6 +68,11 @@ class SamplingParams:
               f"kv_routing routes the KV cache's prompt keys: method {method!r} keeps no cache; use one of "
               f"{', '.join(m.name for m in METHODS.values() if m.uses_cache)}")
         decoding.validate(self)
+
+    @property
+    def routes_prompt(self) -> bool:
+        """Whether steps read less than the whole prompt's KV (a routing, with a budget under 1)."""
+        return self.kv_routing is not None and self.kv_budget < 1
 
     @property
     def num_blocks(self) -> int:

@@ -64,7 +64,7 @@ def test_key_mass_is_softmax_mass_of_tracked_rows(model):
 
 
 def test_allocator_first_fit_and_merge():
-    allocator = CacheAllocator(100)
+    allocator = CacheAllocator(100, align=1)
     a, b, c = allocator.allocate(30), allocator.allocate(30), allocator.allocate(30)
     assert (a, b, c) == (0, 30, 60) and allocator.allocate(20) is None
     allocator.release(b, 30)
@@ -72,6 +72,20 @@ def test_allocator_first_fit_and_merge():
     allocator.release(a, 30)
     allocator.release(30, 20)
     allocator.release(c, 30)
+    assert allocator.num_free == 100 and len(allocator.free) == 1
+
+
+def test_allocator_aligns_ranges_and_fills_the_cache_tail():
+    allocator = CacheAllocator(100, align=32)
+    a, b = allocator.allocate(30), allocator.allocate(1)
+    assert (a, b) == (0, 32) and allocator.allocate(37) is None
+    assert allocator.allocate(33) == 64 and allocator.num_free == 0  # the cache's last 36 rows, not 64
+    allocator.release(64, 33)
+    assert allocator.allocate(3) == 64 and allocator.allocate(3) == 96  # the tail's last 4 rows
+    allocator.release(a, 30)
+    allocator.release(b, 1)
+    allocator.release(64, 3)
+    allocator.release(96, 3)
     assert allocator.num_free == 100 and len(allocator.free) == 1
     with pytest.raises(ValueError, match="can never fit in a KV cache of 100 tokens"):
         allocator.allocate(101)

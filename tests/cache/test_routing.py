@@ -7,7 +7,10 @@ import pytest
 import torch
 
 from flash_dllm import LLM, SamplingParams
-from flash_dllm.cache.routing import CHUNK, POLICIES, SINKS, WINDOW, PromptRouting, chunks_opened, visible_keys
+from types import SimpleNamespace
+
+from flash_dllm.cache.routing import (CHUNK, POLICIES, SINKS, WINDOW, PromptRouting, chunks_opened, summarise,
+                                      visible_keys)
 
 B, K, HKV, GROUP, D = 3, 300, 2, 2, 8
 PROMPT = [260, 260, 200]
@@ -18,8 +21,8 @@ def routing_of(policies, budget=0.125, positions=None):
     rows = torch.arange(B).repeat_interleave(4)
     positions = torch.tensor(PROMPT).repeat_interleave(4) if positions is None else positions
     counters = torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.long)
-    return PromptRouting.build(PROMPT, [budget] * B, policies, rows, positions, torch.arange(B), *counters,
-                               lambda values: torch.tensor(values))
+    return PromptRouting.build(PROMPT, [p + 40 for p in PROMPT], [4] * B, [budget] * B, policies, rows, positions,
+                               torch.arange(B), *counters, lambda values: torch.tensor(values))
 
 
 def step(policies, budget=0.125, needle=None, positions=None):
@@ -31,10 +34,13 @@ def step(policies, budget=0.125, needle=None, positions=None):
     if needle is not None:
         b, chunk = needle
         keys[b, chunk * CHUNK:(chunk + 1) * CHUNK] = 3.0  # every query (positive) scores these keys highest
-    key_valid = torch.arange(K) < torch.tensor([p + 40 for p in PROMPT])[:, None]
-    q_index, q_valid = torch.arange(B * 4).view(B, 4), torch.ones(B, 4, dtype=torch.bool)
+    kv_len = torch.tensor([p + 40 for p in PROMPT])
+    key_valid = torch.arange(K) < kv_len[:, None]
     routing = routing_of(policies, budget, positions)
-    return visible_keys(q, keys, key_valid, q_index, q_valid, routing, layer=0), key_valid, routing
+    metadata = SimpleNamespace(cu_seqlens_q=torch.arange(B + 1) * 4, max_q=4, max_kv=K, kv_len=kv_len,
+                               kv_start=torch.zeros(B, dtype=torch.long), write_cache=True, routing=routing)
+    summaries = summarise(keys, routing.keys_of_pass(metadata, HKV).in_prompt)
+    return visible_keys(q, summaries, metadata, layer=0), key_valid, routing
 
 
 def test_the_budget_counts_sinks_and_window_in_whole_chunks():
@@ -75,8 +81,9 @@ def test_dense_requests_and_passes_with_prompt_rows_read_everything():
     assert torch.equal(visible[1], key_valid[1].expand(HKV, K))
     positions = torch.tensor(PROMPT).repeat_interleave(4)
     positions[0] = 5  # request 0 recomputes a prompt row (a tracked one, or a full pass)
-    visible, _, routing = step(["chunk"] * B, positions=positions)
-    assert routing.dense_rows.tolist() == [True] + [False] * (4 * B - 1)
+    visible, key_valid, routing = step(["chunk"] * B, positions=positions)
+    assert routing.prompt_rows.tolist() == [True] + [False] * (4 * B - 1)
+    assert torch.equal(visible[0], key_valid[0].expand(HKV, K))  # every row of the pass reads every key
     assert routing.keys_read[0] == routing.keys_dense[0]  # counted as read in full
     assert routing.keys_read[2] < routing.keys_dense[2]
 
@@ -101,13 +108,21 @@ def test_a_budget_of_one_is_the_dense_attention(gqa_checkpoint, knobs):
     assert all(o.prompt_kv_read == 1.0 for o in routed) and all(o.prompt_kv_read is None for o in dense)
 
 
-def test_a_small_budget_reads_less_and_the_kernels_route_as_the_reference(gqa_checkpoint):
-    params = SamplingParams(method="dual-cache", max_tokens=16, block_length=8, threshold=1.0, kv_routing="chunk",
-                            kv_budget=0.5)
-    outputs = {kernels: LLM(gqa_checkpoint, device="cpu", dtype="float32", kernels=kernels).generate(
+@pytest.mark.parametrize("knobs", CACHED, ids=lambda k: k["method"])
+def test_a_small_budget_reads_less_and_the_kernels_route_as_the_reference(gqa_checkpoint, knobs):
+    """The kernel path routes from the chunk summaries kept beside the cache (rewritten where a pass writes
+    prompt keys) and visits only the listed key tiles: the same tokens and keys read as the reference's routing
+    from the cache."""
+    params = SamplingParams(max_tokens=16, block_length=8, threshold=1.0, kv_routing="chunk", kv_budget=0.5,
+                            **knobs)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # on the CPU the kernels run interpreted (conftest)
+    outputs = {kernels: LLM(gqa_checkpoint, device=device, dtype="float32", kernels=kernels).generate(
         prompts(2), params, use_tqdm=False) for kernels in (False, True)}
     assert [o.token_ids for o in outputs[True]] == [o.token_ids for o in outputs[False]]
-    assert all(0 < o.prompt_kv_read < 1 for o in outputs[False])
+    assert [o.prompt_kv_read for o in outputs[True]] == [o.prompt_kv_read for o in outputs[False]]
+    # Elastic-Cache's steps recompute tracked prompt positions, and those read every prompt key for them.
+    most = 1.0 if knobs["method"] == "elastic" else 0.99
+    assert all(0 < o.prompt_kv_read <= most for o in outputs[False])
 
 
 def test_settings_are_checked(gqa_checkpoint):
@@ -120,3 +135,14 @@ def test_settings_are_checked(gqa_checkpoint):
     llm = LLM(gqa_checkpoint, device="cpu", dtype="float32", batch_invariant=True)
     out = llm.generate(prompts(1), SamplingParams(method="dual-cache", kv_routing="chunk"), use_tqdm=False)[0]
     assert out.finish_reason == "error" and "not batch-invariant" in out.error
+
+
+def test_a_pass_with_more_rows_than_a_generated_part_reads_in_full():
+    """Every routed request of the pass has more rows than its generated part (a full pass): it cannot be pure, so
+    the pass runs the dense attention and only counts its keys; one request that may be pure routes the pass."""
+    build = lambda counts, policies: PromptRouting.build(
+        [100, 100], [140, 140], counts, [0.1, 0.1], policies, torch.zeros(sum(counts), dtype=torch.long),
+        torch.zeros(sum(counts), dtype=torch.long), torch.arange(2), torch.zeros(2), torch.zeros(2), torch.tensor)
+    assert build([140, 41], ["chunk", "chunk"]).read_in_full
+    assert build([140, 8], ["chunk", None]).read_in_full  # the unrouted request reads in full anyway
+    assert not build([140, 40], ["chunk", "chunk"]).read_in_full

@@ -1,4 +1,5 @@
-"""Scheduled flash attention against ragged_attention_ref: ragged batches, GQA, key mass, the verify pass."""
+"""Scheduled flash attention against ragged_attention_ref: ragged batches, GQA, key mass, the verify pass, each
+with the keys of a request in one program and split across several (merged after the launch)."""
 from kernel_testing import BUDGET, DEVICE, rel_err  # first: it picks the interpreter on the CPU
 
 import pytest
@@ -6,7 +7,7 @@ import torch
 
 from flash_dllm.cache.attention_metadata import AttentionMetadata, cu_seqlens
 from flash_dllm.kernels.attention import ragged_attention_ref
-from flash_dllm.kernels.flash_attention import flash_attention
+from flash_dllm.kernels.flash_attention import TARGET_PROGRAMS, flash_attention, key_tiles, num_splits
 
 # (query rows per request, KV length per request, heads, kv heads, head_dim)
 CASES = {
@@ -18,6 +19,7 @@ CASES = {
     "dream-gqa-7": ([9, 33], [40, 70], 7, 1, 128),    # Dream-7B's groups: 7 query heads per KV head (28 / 4)
 }
 DTYPES = [torch.float32, torch.bfloat16]
+SPLITS = [1, 3]  # 3: some splits of the shorter requests hold no key
 
 
 def make_batch(q_counts, kv_lens, heads, kv_heads, head_dim, dtype, verify=False, seed=0):
@@ -49,21 +51,23 @@ def new_keys_and_values(q, k_cache, seed=1):
     return (torch.randn(q.shape[0], *k_cache.shape[1:], generator=g).to(q.dtype).to(DEVICE) for _ in range(2))
 
 
+@pytest.mark.parametrize("splits", SPLITS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", CASES)
-def test_matches_reference(case, dtype):
+def test_matches_reference(case, dtype, splits):
     q, k_cache, v_cache, table = make_batch(*CASES[case], dtype)
-    assert rel_err(flash_attention(q, k_cache, v_cache, table), ragged_attention_ref(q, k_cache, v_cache, table)) \
-        < BUDGET[dtype]
+    out = flash_attention(q, k_cache, v_cache, table, splits=splits)
+    assert rel_err(out, ragged_attention_ref(q, k_cache, v_cache, table)) < BUDGET[dtype]
 
 
+@pytest.mark.parametrize("splits", SPLITS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", CASES)
-def test_key_mass_matches_reference(case, dtype):
+def test_key_mass_matches_reference(case, dtype, splits):
     q, k_cache, v_cache, table = make_batch(*CASES[case], dtype)
     mass, mass_ref = (torch.rand(table.num_seqs, table.max_kv, device=DEVICE) for _ in range(2))
     mass_ref.copy_(mass)  # accumulated into, not overwritten
-    out = flash_attention(q, k_cache, v_cache, table, key_mass=mass)
+    out = flash_attention(q, k_cache, v_cache, table, key_mass=mass, splits=splits)
     out_ref = ragged_attention_ref(q, k_cache, v_cache, table, key_mass=mass_ref)
     assert rel_err(out, out_ref) < BUDGET[dtype]
     assert rel_err(mass, mass_ref) < 1e-5  # fp32 probabilities from exact products, whatever the input dtype
@@ -88,32 +92,46 @@ def test_key_mass_is_the_same_every_run():
     assert all(torch.equal(mass, masses[0]) for mass in masses[1:])
 
 
+@pytest.mark.parametrize("splits", SPLITS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", CASES)
-def test_verify_pass_matches_reference(case, dtype):
+def test_verify_pass_matches_reference(case, dtype, splits):
     q, k_cache, v_cache, table = make_batch(*CASES[case], dtype, verify=True)
     k_new, v_new = new_keys_and_values(q, k_cache)
-    out = flash_attention(q, k_cache, v_cache, table, k_new=k_new, v_new=v_new)
+    out = flash_attention(q, k_cache, v_cache, table, k_new=k_new, v_new=v_new, splits=splits)
     assert rel_err(out, ragged_attention_ref(q, k_cache, v_cache, table, k_new=k_new, v_new=v_new)) < BUDGET[dtype]
 
 
+@pytest.mark.parametrize("splits", SPLITS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_verify_with_empty_or_fully_hidden_cache(dtype):
+def test_verify_with_empty_or_fully_hidden_cache(dtype, splits):
     """Rows that see only the pass's own keys: the running max starts from those scores (no NaN)."""
     q, k_cache, v_cache, table = make_batch([6, 4, 5], [0, 7, 9], 4, 1, 32, dtype, verify=True)
     table.hidden_keys[1] = True  # request 1 hides its whole cache range; request 0 has none
     k_new, v_new = new_keys_and_values(q, k_cache)
     q = q * 30  # large scores: overflow shows up if the max misses the self part
-    out = flash_attention(q, k_cache, v_cache, table, k_new=k_new, v_new=v_new)
+    out = flash_attention(q, k_cache, v_cache, table, k_new=k_new, v_new=v_new, splits=splits)
     assert rel_err(out, ragged_attention_ref(q, k_cache, v_cache, table, k_new=k_new, v_new=v_new)) < BUDGET[dtype]
 
 
-def test_rows_that_see_no_key_get_zeros():
-    """An empty KV range outside the verify pass: 0, not NaN; the other request is unaffected."""
+@pytest.mark.parametrize("splits", SPLITS)
+def test_rows_that_see_no_key_get_zeros(splits):
+    """An empty KV range outside the verify pass: 0, not NaN, and no key mass; the other request is unaffected."""
     q, k_cache, v_cache, table = make_batch([3, 2], [0, 6], 2, 2, 16, torch.float32)
-    out = flash_attention(q, k_cache, v_cache, table)
-    assert torch.equal(out[:3], torch.zeros_like(out[:3]))
-    assert rel_err(out[3:], ragged_attention_ref(q, k_cache, v_cache, table)[3:]) < 1e-5
+    table.track_rows = torch.ones(5, dtype=torch.bool, device=DEVICE)
+    mass, mass_ref = (torch.zeros(table.num_seqs, table.max_kv, device=DEVICE) for _ in range(2))
+    out = flash_attention(q, k_cache, v_cache, table, key_mass=mass, splits=splits)
+    ref = ragged_attention_ref(q, k_cache, v_cache, table, key_mass=mass_ref)
+    assert torch.equal(out[:3], torch.zeros_like(out[:3])) and mass[0].abs().sum() == 0
+    assert rel_err(out[3:], ref[3:]) < 1e-5 and rel_err(mass, mass_ref) < 1e-5
+
+
+def test_keys_split_only_when_the_programs_do_not_fill_the_gpu_over_a_long_prompt():
+    assert num_splits(TARGET_PROGRAMS, 32768, 64) == 1
+    assert num_splits(96, 768, 64) == 1              # batch 1, 144 query rows, 32 heads, a short prompt
+    assert num_splits(96, 8192, 64) == 3             # the same over 8k keys: 288 programs
+    assert num_splits(96, 8192, 64, key_mass=True) == 1 and num_splits(96, 16384, 64, key_mass=True) == 3
+    assert num_splits(32, 32768, 128) == 9           # batch 1, a block of 32 rows over a 32k-token prompt
 
 
 def test_no_rows_and_verify_mass_refused():
@@ -124,28 +142,57 @@ def test_no_rows_and_verify_mass_refused():
 
 
 def routed_masks(q, k_cache, table, seed=2):
-    """Random routed keys [B, Hkv, max_kv] (about half) and rows that read every key [N] (about a quarter)."""
+    """Random routed keys [B, Hkv, max_kv] (about half)."""
     g = torch.Generator().manual_seed(seed)
     B, Hkv = table.kv_start.shape[0], k_cache.shape[1]
-    visible = (torch.rand(B, Hkv, table.max_kv, generator=g) < 0.5).to(DEVICE)
-    dense = (torch.rand(q.shape[0], generator=g) < 0.25).to(DEVICE)
-    return dict(key_visible=visible, dense_rows=dense)
+    return dict(key_visible=(torch.rand(B, Hkv, table.max_kv, generator=g) < 0.5).to(DEVICE))
 
 
+@pytest.mark.parametrize("splits", SPLITS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", ["ragged-gqa", "two-query-tiles", "dream-gqa-7"])
-def test_routed_keys_match_reference(case, dtype):
-    """Each KV head reads only its routed keys, except the rows that read every key; with the key mass, and in
-    the verify pass (whose hidden keys stay hidden for every row)."""
+def test_routed_keys_match_reference(case, dtype, splits):
+    """Each KV head reads only its routed keys; with the key mass, and in the verify pass (whose hidden keys stay
+    hidden)."""
     q, k_cache, v_cache, table = make_batch(*CASES[case], dtype)
     routing = routed_masks(q, k_cache, table)
     mass, ref_mass = (torch.zeros(table.kv_start.shape[0], table.max_kv, device=DEVICE) for _ in range(2))
-    out = flash_attention(q, k_cache, v_cache, table, mass, **routing)
+    out = flash_attention(q, k_cache, v_cache, table, mass, splits=splits, **routing)
     ref = ragged_attention_ref(q, k_cache, v_cache, table, ref_mass, **routing)
     assert rel_err(out, ref) < BUDGET[dtype] and rel_err(mass, ref_mass) < BUDGET[dtype]
     q, k_cache, v_cache, table = make_batch(*CASES[case], dtype, verify=True)
     k_new, v_new = new_keys_and_values(q, k_cache)
     routing = routed_masks(q, k_cache, table)
-    out = flash_attention(q, k_cache, v_cache, table, k_new=k_new, v_new=v_new, **routing)
+    out = flash_attention(q, k_cache, v_cache, table, k_new=k_new, v_new=v_new, splits=splits, **routing)
     ref = ragged_attention_ref(q, k_cache, v_cache, table, k_new=k_new, v_new=v_new, **routing)
     assert rel_err(out, ref) < BUDGET[dtype]
+
+
+def chunk_routed_masks(table, kv_heads, dense_request, seed=3):
+    """Routed keys open by 32-key chunk (one in ten: whole key tiles closed), every key of one request."""
+    g = torch.Generator().manual_seed(seed)
+    B, chunks = table.kv_start.shape[0], -(-table.max_kv // 32)
+    opened = torch.rand(B, kv_heads, chunks, generator=g) < 0.1
+    opened[dense_request] = True
+    return dict(key_visible=opened.repeat_interleave(32, dim=-1)[..., :table.max_kv].to(DEVICE))
+
+
+@pytest.mark.parametrize("splits", SPLITS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_routed_tile_lists_visit_only_open_chunks(dtype, splits):
+    """Long ranges of mostly closed chunks: the kernel visits only the listed tiles (all of them for a request that
+    reads every key), with the key mass, and matches the reference."""
+    q, k_cache, v_cache, table = make_batch([4, 7, 3, 2], [600, 300, 0, 420], 4, 2, 32, dtype)
+    routing = chunk_routed_masks(table, 2, dense_request=1)
+    tiles, count = key_tiles(routing["key_visible"], table, 128)
+    padded = torch.nn.functional.pad(routing["key_visible"], (0, 40))  # max_kv 600 -> 5 tiles of 128
+    listed = padded.view(4, 2, 5, 128).any(-1) & (torch.arange(5, device=DEVICE) * 128 < table.kv_len[:, None, None])
+    assert not listed[[0, 3]].all()
+    assert torch.equal(count[[0, 3]], listed[[0, 3]].sum(-1, dtype=torch.int32))
+    assert count[1].tolist() == [3, 3] and count[2].tolist() == [0, 0]  # every tile of its 300 keys; no key
+    for b, h in [(0, 0), (0, 1), (3, 1)]:
+        assert tiles[b, h, :count[b, h]].tolist() == listed[b, h].nonzero().flatten().tolist()
+    mass, ref_mass = (torch.zeros(4, table.max_kv, device=DEVICE) for _ in range(2))
+    out = flash_attention(q, k_cache, v_cache, table, mass, splits=splits, **routing)
+    ref = ragged_attention_ref(q, k_cache, v_cache, table, ref_mass, **routing)
+    assert rel_err(out, ref) < BUDGET[dtype] and rel_err(mass, ref_mass) < BUDGET[dtype]

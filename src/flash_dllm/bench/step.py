@@ -32,12 +32,14 @@ MODELLED_TOKENS_PER_ITER = (1.0, 2.8, 5.7)  # tokens/s as if each iteration deco
 @dataclass(frozen=True)
 class StepResult:
     method: str
+    routing: str            # the prompt KV's routing and budget, or "dense"
     batch: int
     block: int | None       # None: the method has no blocks
     ms_per_iter: float
     tokens_per_iter: float  # per request, measured
     query_rows: float       # per request and iteration, from the engine's counters
     passes: float           # forward passes per request and iteration
+    prompt_kv_read: float   # the fraction of the prompt's keys the timed steps read (1: dense)
     bytes_floor_ms: float
     flops_floor_ms: float
     peak_gb: float
@@ -97,32 +99,38 @@ def bench_step(llm, params: SamplingParams, batch: int, prompt_length: int, warm
         engine.step()
     sync()
     ms = (time.perf_counter() - start) * 1e3 / iters
-    tokens, rows, passes = ((after - b) / (iters * batch)
-                            for after, b in zip(_counters(engine, llm.special.mask_id), before))
+    after = _counters(engine, llm.special.mask_id)
+    tokens, rows, passes = ((a - b) / (iters * batch) for a, b in zip(after[:3], before[:3]))
+    keys_read, keys_dense = after[3] - before[3], after[4] - before[4]
+    read = keys_read / keys_dense if keys_dense else 1.0
     peak = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else float("nan")
     resident = sum(p.numel() * p.element_size() for p in llm.model.parameters())
     resident += runner.cache.nbytes if runner.cache is not None else 0  # methods without a cache
-    num_bytes, flops = iteration_cost(cfg, batch, length, rows, passes, weight_bytes_read(llm.model),
+    keys = length - prompt_length * (1 - read)  # read per request and pass
+    num_bytes, flops = iteration_cost(cfg, batch, keys, rows, passes, weight_bytes_read(llm.model),
                                       KVCache.bytes_per_row(cfg, llm.dtype))
     memory_s, compute_s, _ = floor_seconds(num_bytes, flops)
-    return StepResult(params.method, batch, params.block_length if method.uses_blocks else None, ms, tokens, rows,
-                      passes,
-                      memory_s * 1e3, compute_s * 1e3, peak, peak - resident / 1e9)
+    routing = f"{params.kv_routing} {params.kv_budget:g}" if params.kv_routing else "dense"
+    return StepResult(params.method, routing, batch, params.block_length if method.uses_blocks else None, ms,
+                      tokens, rows, passes, read, memory_s * 1e3, compute_s * 1e3, peak, peak - resident / 1e9)
 
 
-def _counters(engine, mask_id: int) -> tuple[int, int, int]:
-    """Decoded generated tokens, query rows and forward passes so far, summed over the batch. An elastic
-    refresh is not a pass here (its weight re-read is left out of the floor); its rows count at full depth."""
-    batch = engine.batch
+def _counters(engine, mask_id: int) -> tuple[int, ...]:
+    """Decoded generated tokens, query rows, forward passes, routed prompt keys read and their dense count so
+    far, summed over the batch. An elastic refresh is not a pass here (its weight re-read is left out of the
+    floor); its rows count at full depth."""
+    batch, counters = engine.batch, engine.batch.counters
     decoded = int((batch.tokens[:, batch.gen_start:] != mask_id).sum())
-    return decoded, sum(row.query_rows for row in batch.rows), int(batch.counters.nfe.sum())
+    return (decoded, sum(row.query_rows for row in batch.rows), int(counters.nfe.sum()),
+            int(counters.prompt_keys_read.sum()), int(counters.prompt_keys_dense.sum()))
 
 
 def format_table(results: list[StepResult]) -> str:
-    header = ("method", "batch", "block", "ms/iter", "tokens/iter/req", "query rows/iter/req", "passes/iter",
+    header = ("method", "prompt KV", "read", "batch", "block", "ms/iter", "tokens/iter/req", "query rows/iter/req",
+              "passes/iter",
               "bytes floor ms", "FLOP floor ms", "x floor", "peak GB", "peak - weights - cache GB",
               *(f"tok/s @{k}" for k in MODELLED_TOKENS_PER_ITER))
-    rows = [(r.method, r.batch, "-" if r.block is None else r.block,
+    rows = [(r.method, r.routing, f"{r.prompt_kv_read:.3f}", r.batch, "-" if r.block is None else r.block,
              f"{r.ms_per_iter:.2f}", f"{r.tokens_per_iter:.2f}", f"{r.query_rows:.0f}", f"{r.passes:.2f}",
              f"{r.bytes_floor_ms:.3g}", f"{r.flops_floor_ms:.3g}", f"{r.ratio:.2f}",
              *("-" if math.isnan(gb) else f"{gb:.2f}" for gb in (r.peak_gb, r.working_gb)),  # nan: not on a GPU

@@ -1,7 +1,9 @@
 """The flat KV cache: one pre-allocated buffer per layer for every request, and its allocator.
 
 A request owns a contiguous range of cache rows, one row per position of its sequence (prompt and
-generated region): row = base + position. K is stored after RoPE. Nothing is allocated per step.
+generated region): row = base + position. K is stored after RoPE. Nothing is allocated per step. Ranges start
+at multiples of ALIGN rows, so that a request's chunks of routed prompt keys (cache/routing.py) are the
+cache's own chunks, whose summaries are kept beside it.
 """
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ModelConfig
+
+ALIGN = 32  # rows; routing.CHUNK divides it
 
 
 class KVCache:
@@ -32,6 +36,17 @@ class KVCache:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         self._hidden_shape = (num_rows + 1, cfg.hidden_size)
         self._hidden: list[torch.Tensor] | None = None
+        self._summaries: list[torch.Tensor] | None = None
+
+    def chunk_summaries(self, chunk: int) -> list[torch.Tensor]:
+        """Per layer [rows / chunk (rounded up), 3, kv_heads, head_dim]: the lower bounds, upper bounds and mean of
+        the prompt keys of each chunk of `chunk` cache rows (written by kernels/chunk_summaries.py with the
+        prompt's keys), allocated at first use: 3 / chunk of the K bytes."""
+        if self._summaries is None:
+            k = self.k[0]
+            shape = (-(-k.shape[0] // chunk), 3, *k.shape[1:])
+            self._summaries = [torch.zeros(shape, dtype=k.dtype, device=k.device) for _ in self.k]
+        return self._summaries
 
     def hidden_states(self) -> list[torch.Tensor]:
         if self._hidden is None:
@@ -41,8 +56,9 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes allocated: K, V and the hidden states if allocated."""
-        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v, *(self._hidden or [])))
+        """Bytes allocated: K, V, and the hidden states and chunk summaries if allocated."""
+        extra = [*(self._hidden or []), *(self._summaries or [])]
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v, *extra))
 
     @staticmethod
     def bytes_per_row(cfg: ModelConfig, dtype: torch.dtype, with_hidden: bool = False) -> int:
@@ -67,10 +83,11 @@ class _Range:
 
 
 class CacheAllocator:
-    """First-fit allocation of contiguous row ranges; freed ranges merge with their neighbours."""
+    """First-fit allocation of contiguous row ranges, each rounded up to a multiple of `align` rows (so every
+    range starts at such a multiple); freed ranges merge with their neighbours."""
 
-    def __init__(self, num_rows: int):
-        self.num_rows = num_rows
+    def __init__(self, num_rows: int, align: int = ALIGN):
+        self.num_rows, self.align = num_rows, align
         self.free: list[_Range] = [_Range(0, num_rows)]  # sorted by start
 
     @property
@@ -84,15 +101,23 @@ class CacheAllocator:
                              f"{self.num_rows} tokens; raise the cache budget or shorten the request")
         for i, r in enumerate(self.free):
             if r.length >= length:
+                # Only the range that ends the cache can be shorter than a multiple of `align`: there the
+                # rounded range ends with the cache (as `release` assumes).
+                taken = min(self._rounded(length), r.length)
                 start = r.start
-                if r.length == length:
+                if r.length == taken:
                     del self.free[i]
                 else:
-                    self.free[i] = _Range(r.start + length, r.length - length)
+                    self.free[i] = _Range(r.start + taken, r.length - taken)
                 return start
         return None
 
+    def _rounded(self, length: int) -> int:
+        return -(-length // self.align) * self.align
+
     def release(self, start: int, length: int):
+        """Free the range `allocate(length)` returned at `start`."""
+        length = min(self._rounded(length), self.num_rows - start)
         starts = [r.start for r in self.free]
         i = bisect.bisect_left(starts, start)
         self.free.insert(i, _Range(start, length))

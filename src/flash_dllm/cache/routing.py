@@ -10,17 +10,21 @@ WINDOW positions), which are always open. Policies (`SamplingParams.kv_routing`)
     centroid  its mean key's score;
     window    the chunks nearest the prompt's end (a control: recency alone);
     random    a fixed pseudo-random order per (layer, KV head, chunk) (a control at equal bytes).
-A request's budget (`kv_budget`, a fraction of its prompt's keys) counts the sinks and the window. The pass's
-rows in the prompt itself (a full pass's, Flash-Cache's tracked prompt positions) read every key: their keys
-are rewritten from them, and routed they would drift from the prompt's meaning (measured: passkey retrieval
-fails with Flash-Cache when they are routed); a pass with such rows counts as reading the prompt in full.
+A request's budget (`kv_budget`, a fraction of its prompt's keys) counts the sinks and the window. A pass with
+rows in the request's prompt (a full pass, or rows whose keys it rewrites) reads the request's keys in full, for
+every row: those rows must (routed, their keys drift from the prompt's meaning: passkey retrieval failed with
+Flash-Cache's tracked prompt rows routed), and once the prompt is read for them, the other rows read it too.
 
-This is the PyTorch reference of the routing: the chunks' summaries are taken from the cache at every step
-(a later kernel keeps them beside the cache, written with the prompt, and reads only the open chunks).
+Chunks are the cache's own (requests start at multiples of CHUNK rows, kv_cache.ALIGN). `route` is the
+reference: it summarises the chunks from the cache at every step. `route_stored` reads the summaries kept beside
+the cache (KVCache.chunk_summaries), which kernels/chunk_summaries.py rewrites for the chunks that a pass's
+prompt rows write; the attention kernel then visits only the open chunks. What does not depend on the layer is
+computed once per pass (`PassKeys`): a step's routing is a handful of launches per layer.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +36,21 @@ POLICIES = ("chunk", "centroid", "window", "random")
 
 
 @dataclass
+class PassKeys:
+    """The layer-independent part of a pass's routing, for its requests' cache ranges padded to K keys."""
+
+    in_prompt: torch.Tensor   # [B, K] bool: the request's prompt keys
+    routable: torch.Tensor    # [B, K] bool: prompt keys outside the sinks and the window (read only when opened)
+    competes: torch.Tensor    # [B, C] bool: chunks holding routable keys
+    always: torch.Tensor      # [B, 1, K] bool: keys read whatever the scores (all of them: dense, or not pure)
+    chunk_of: torch.Tensor    # [B, Hkv, K] long: each key's chunk
+    q_index: torch.Tensor     # [B, R] long: the rows that score (a pure request's rows; R <= its rows)
+    q_valid: torch.Tensor     # [B, R] bool
+    dense_count: torch.Tensor  # [B] long: prompt keys x KV heads
+    cache_chunk: torch.Tensor  # [B, C] long: the cache's chunk of each of the request's chunks
+
+
+@dataclass
 class PromptRouting:
     """Per request of a pass: which keys of its cache range are its prompt, how many chunks it opens and how they
     are scored; also where the keys each step reads are counted. Requests without routing open every chunk."""
@@ -39,27 +58,60 @@ class PromptRouting:
     prompt_len: torch.Tensor   # [B] long: keys [0, prompt_len) of the request's cache range are routed
     top_k: torch.Tensor        # [B] long: chunks opened besides the sinks and the window
     policy: torch.Tensor       # [B] long: index into POLICIES, -1 = dense
+    policies: tuple[str, ...]  # the policies present (host: only their scores are computed)
     max_top_k: int             # the largest top_k (a host number: the top-k's width)
-    dense_rows: torch.Tensor   # [N] bool: the pass's rows in a prompt (they read every key: their own keys
-                               # are rewritten from them)
+    max_routed_rows: int       # an upper bound of a pure request's rows (its generated part's length)
+    read_in_full: bool         # no request can be pure (each has more rows than its generated part) or routed:
+                               # the pass reads every key, unrouted, and only counts them
+    row_request: torch.Tensor  # [N] long: each query row's request
+    prompt_rows: torch.Tensor  # [N] bool: the pass's rows in their request's prompt
     pure: torch.Tensor         # [B] bool: the pass has no prompt row of the request (it reads its prompt routed)
     batch_row: torch.Tensor    # [B] long: each request's row of the decode batch (the accumulators' index)
     keys_read: torch.Tensor    # [batch rows] long: prompt keys read, summed over passes, layers and KV heads
     keys_dense: torch.Tensor   # [batch rows] long: the same, had every prompt key been read
+    pass_keys: PassKeys | None = field(default=None, init=False)  # computed by the pass's first layer
+    written: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False)  # and `written_chunks`
 
     @classmethod
-    def build(cls, prompt_lens: list[int], budgets: list[float], policies: list[str | None],
-              row_request: torch.Tensor, positions: torch.Tensor, batch_row: torch.Tensor, keys_read: torch.Tensor,
-              keys_dense: torch.Tensor, constant) -> PromptRouting:
-        """row_request, positions [N]: each query row's request and position. `constant`: host list -> device
-        tensor (the runner's, which keeps repeating lists on the device)."""
+    def build(cls, prompt_lens: list[int], lengths: list[int], row_counts: list[int], budgets: list[float],
+              policies: list[str | None], row_request: torch.Tensor, positions: torch.Tensor, batch_row: torch.Tensor,
+              keys_read: torch.Tensor, keys_dense: torch.Tensor, constant) -> PromptRouting:
+        """Per request: prompt and sequence lengths, query rows in the pass, budget and policy; row_request,
+        positions [N]: each query row's request and position. `constant`: host list -> device tensor (the
+        runner's, which keeps repeating lists on the device)."""
         top_k = [chunks_opened(length, budget) if policy else 0
                  for length, budget, policy in zip(prompt_lens, budgets, policies)]
         prompt_len = constant(prompt_lens)
-        dense_rows = positions < prompt_len[row_request]
-        prompt_rows = torch.zeros_like(prompt_len).index_add_(0, row_request, dense_rows.long())
+        prompt_rows = positions < prompt_len[row_request]
+        counts = torch.zeros_like(prompt_len).index_add_(0, row_request, prompt_rows.long())
         return cls(prompt_len, constant(top_k), constant([POLICIES.index(p) if p else -1 for p in policies]),
-                   max(top_k), dense_rows, prompt_rows == 0, batch_row, keys_read, keys_dense)
+                   tuple(sorted({p for p in policies if p}, key=POLICIES.index)), max(top_k),
+                   max(length - prompt for length, prompt in zip(lengths, prompt_lens)),
+                   all(not policy or rows > length - prompt
+                       for policy, rows, length, prompt in zip(policies, row_counts, lengths, prompt_lens)),
+                   row_request, prompt_rows, counts == 0, batch_row, keys_read, keys_dense)
+
+    def leading(self, groups: int, rows: int) -> PromptRouting:
+        """The routing of a pass's first `groups` requests, which own its first `rows` query rows."""
+        return dataclasses.replace(
+            self, prompt_len=self.prompt_len[:groups], top_k=self.top_k[:groups], policy=self.policy[:groups],
+            row_request=self.row_request[:rows], prompt_rows=self.prompt_rows[:rows], pure=self.pure[:groups],
+            batch_row=self.batch_row[:groups])
+
+    def keys_of_pass(self, metadata, num_kv_heads: int) -> PassKeys:
+        if self.pass_keys is None:
+            self.pass_keys = _pass_keys(self, metadata, num_kv_heads)
+        return self.pass_keys
+
+    def written_chunks(self, metadata, scratch_row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per query row of a pass that writes the cache: the cache chunk whose prompt keys it writes (-1: none,
+        it is not a prompt row or its K/V go to the scratch row) and the end of its request's prompt in cache
+        rows (kernels/chunk_summaries.py's arguments)."""
+        if self.written is None:
+            slots = metadata.slot_mapping
+            self.written = (torch.where(self.prompt_rows & (slots != scratch_row), slots // CHUNK, -1),
+                            metadata.kv_start[self.row_request] + self.prompt_len[self.row_request])
+        return self.written
 
 
 def chunks_opened(prompt_len: int, budget: float) -> int:
@@ -71,65 +123,113 @@ def chunks_opened(prompt_len: int, budget: float) -> int:
     return max(0, (int(budget * prompt_len) - always) // CHUNK)
 
 
+def _pass_keys(routing: PromptRouting, metadata, num_kv_heads: int) -> PassKeys:
+    K = metadata.max_kv
+    C = -(-K // CHUNK)
+    positions = torch.arange(K, device=routing.prompt_len.device)
+    key_valid = positions < metadata.kv_len[:, None]
+    in_prompt = (positions < routing.prompt_len[:, None]) & key_valid
+    routable = in_prompt & (positions >= SINKS) & (positions < routing.prompt_len[:, None] - WINDOW)
+    competes = F.pad(routable, (0, C * CHUNK - K)).view(-1, C, CHUNK).any(dim=2)
+    dense = ((routing.policy < 0) | ~routing.pure)[:, None]
+    always = (~routable | dense) & key_valid
+    # Only a pure request's rows score, and a pass that writes the cache has no more of them than its generated
+    # part (a verify pass may hold two views of a position).
+    q_begin = metadata.cu_seqlens_q[:-1]
+    width = min(metadata.max_q, routing.max_routed_rows) if metadata.write_cache else metadata.max_q
+    q_index, q_valid = padded_index(q_begin, (metadata.cu_seqlens_q[1:] - q_begin).clamp(max=width), width)
+    B = key_valid.shape[0]
+    cache_chunk = metadata.kv_start[:, None] // CHUNK + torch.arange(C, device=positions.device)
+    return PassKeys(in_prompt, routable, competes, always[:, None, :], (positions // CHUNK).expand(B, num_kv_heads, K),
+                    q_index, q_valid & routing.pure[:, None], in_prompt.sum(dim=1) * num_kv_heads, cache_chunk)
+
+
+def count_in_full(metadata, num_kv_heads: int):
+    """A pass that reads every key (`read_in_full`): count its prompt keys as read, for one layer."""
+    routing = metadata.routing
+    dense = torch.minimum(routing.prompt_len, metadata.kv_len) * num_kv_heads
+    routing.keys_read.index_add_(0, routing.batch_row, dense)
+    routing.keys_dense.index_add_(0, routing.batch_row, dense)
+
+
 def route(q: torch.Tensor, k_cache: torch.Tensor, metadata, layer: int) -> torch.Tensor:
     """q [N, H, D] a pass's rotated queries, k_cache [rows, Hkv, D] the layer's cache (already holding the
-    pass's keys) -> [B, Hkv, max_kv] bool: the cache keys each request's KV head reads (`visible_keys`)."""
+    pass's keys) -> [B, Hkv, max_kv] bool: the cache keys each request's KV head reads (`visible_keys`), its
+    chunks summarised from the cache."""
     key_index, key_valid = padded_index(metadata.kv_start, metadata.kv_len, metadata.max_kv)
-    q_begin = metadata.cu_seqlens_q[:-1]
-    q_index, q_valid = padded_index(q_begin, metadata.cu_seqlens_q[1:] - q_begin, metadata.max_q)
-    return visible_keys(q, k_cache[key_index], key_valid, q_index.clamp(max=q.shape[0] - 1), q_valid,
-                        metadata.routing, layer)
+    in_prompt = metadata.routing.keys_of_pass(metadata, k_cache.shape[1]).in_prompt
+    return visible_keys(q, summarise(k_cache[key_index], in_prompt), metadata, layer)
 
 
-def visible_keys(q: torch.Tensor, keys: torch.Tensor, key_valid: torch.Tensor, q_index: torch.Tensor,
-                q_valid: torch.Tensor, routing: PromptRouting, layer: int) -> torch.Tensor:
-    """q [N, H, D] the pass's rotated queries; keys [B, K, Hkv, D] each request's cache range (padded to K),
-    key_valid [B, K]; q_index, q_valid [B, Q]: each request's rows of q -> [B, Hkv, K] bool: the keys each
-    request's KV head reads this step (all of the generated part; of the prompt, the open chunks, the sinks
-    and the window). Adds the prompt keys read to routing.keys_read."""
+def route_stored(q: torch.Tensor, summaries: torch.Tensor, metadata, layer: int) -> torch.Tensor:
+    """As `route`, with the chunk summaries kept beside the cache: summaries [cache rows / CHUNK, 3, Hkv, D]
+    (the layer's KVCache.chunk_summaries, fresh for the pass's prompt rows). No prompt key is read; of the
+    summaries, only those the pass's policies score."""
+    # A range shorter than the pass's widest may end near the cache's end: its chunks past its keys are unread.
+    chunk = metadata.routing.keys_of_pass(metadata, summaries.shape[2]).cache_chunk.clamp(max=summaries.shape[0] - 1)
+    policies = metadata.routing.policies
+    picked = {index: summaries[:, index][chunk].float() for name, parts in (("chunk", (0, 1)), ("centroid", (2,)))
+              if name in policies for index in parts}
+    return visible_keys(q, picked, metadata, layer, num_kv_heads=summaries.shape[2])
+
+
+def summarise(keys: torch.Tensor, member: torch.Tensor) -> dict[int, torch.Tensor]:
+    """keys [B, K, Hkv, D], member [B, K] bool -> {0: lower bounds, 1: upper bounds, 2: mean} [B, C, Hkv, D]
+    fp32 of the member keys of each chunk of CHUNK keys (zeros for a chunk with none)."""
     B, K, Hkv, D = keys.shape
-    H = q.shape[1]
-    group = H // Hkv
-    positions = torch.arange(K, device=keys.device)
-    in_prompt = (positions < routing.prompt_len[:, None]) & key_valid                       # [B, K]
     C = -(-K // CHUNK)
     pad = C * CHUNK - K
     chunked = F.pad(keys.float(), (0, 0, 0, 0, 0, pad)).view(B, C, CHUNK, Hkv, D)
-    member = F.pad(in_prompt, (0, pad)).view(B, C, CHUNK, 1, 1)
-    count = member.sum(dim=2)                                                               # [B, C, 1, 1]
-    rows = q[q_index].float().masked_fill(~q_valid[:, :, None, None], 0.0)                 # [B, Q, H, D]
-    rows = rows.view(B, -1, Hkv, group, D).permute(0, 2, 1, 3, 4).reshape(B, Hkv, -1, D)  # [B, Hkv, Q*g, D]
-    upper = torch.where(member, chunked, float("-inf")).amax(dim=2).permute(0, 2, 1, 3)   # [B, Hkv, C, D]
-    lower = torch.where(member, chunked, float("inf")).amin(dim=2).permute(0, 2, 1, 3)
-    finite = lambda t: torch.where(count.permute(0, 2, 1, 3) > 0, t, 0.0)
-    bound = (rows.clamp(min=0) @ finite(upper).transpose(-1, -2)
-             + rows.clamp(max=0) @ finite(lower).transpose(-1, -2))                          # [B, Hkv, Q*g, C]
-    mean = (torch.where(member, chunked, 0.0).sum(dim=2) / count.clamp(min=1)).permute(0, 2, 1, 3)
-    centroid = rows @ mean.transpose(-1, -2)
-    row_valid = q_valid[:, None, :, None].expand(B, 1, -1, group).reshape(B, 1, -1, 1)
-    best = lambda s: s.masked_fill(~row_valid, float("-inf")).amax(dim=2)                  # [B, Hkv, C]
-    chunk_index = torch.arange(C, device=keys.device, dtype=torch.float32)
-    head = torch.arange(Hkv, device=keys.device)[:, None]
-    shuffled = ((chunk_index.long() * 1103515245 + head * 12345 + layer * 2654435761) % 2147483647).float()
-    policy = routing.policy.clamp(min=0)[:, None, None]
-    scores = torch.stack([best(bound), best(centroid), chunk_index.expand(B, Hkv, C),
-                          shuffled.expand(B, Hkv, C)]).gather(0, policy[None].expand(1, B, Hkv, C))[0]
-    # Only chunks that hold keys of the prompt outside the sinks and the window compete.
-    routable = in_prompt & (positions >= SINKS) & (positions < routing.prompt_len[:, None] - WINDOW)
-    competes = F.pad(routable, (0, pad)).view(B, C, CHUNK).any(dim=2)                       # [B, C]
-    scores = scores.masked_fill(~competes[:, None, :], float("-inf"))
+    inside = F.pad(member, (0, pad)).view(B, C, CHUNK, 1, 1)
+    count = inside.sum(dim=2)                                                               # [B, C, 1, 1]
+    finite = lambda t: torch.where(count > 0, t, 0.0)
+    return {0: finite(torch.where(inside, chunked, float("inf")).amin(dim=2)),
+            1: finite(torch.where(inside, chunked, float("-inf")).amax(dim=2)),
+            2: torch.where(inside, chunked, 0.0).sum(dim=2) / count.clamp(min=1)}
+
+
+def visible_keys(q: torch.Tensor, summaries: dict[int, torch.Tensor], metadata, layer: int,
+                 num_kv_heads: int | None = None) -> torch.Tensor:
+    """q [N, H, D] the pass's rotated queries; summaries: those of `summarise` that the pass's policies score,
+    [B, C, Hkv, D] each -> [B, Hkv, K] bool: the keys each request's KV head reads this step (all of the
+    generated part; of the prompt, the open chunks, the sinks and the window; everything where the request is
+    dense or its pass not pure). Adds the prompt keys read to routing.keys_read."""
+    routing = metadata.routing
+    Hkv = num_kv_heads or next(iter(summaries.values())).shape[2]
+    keys = routing.keys_of_pass(metadata, Hkv)
+    B, C = keys.competes.shape
+    group, D = q.shape[1] // Hkv, q.shape[2]
+    scores = {}
+    if {"chunk", "centroid"} & set(routing.policies):
+        rows = q[keys.q_index].float().masked_fill(~keys.q_valid[:, :, None, None], 0.0)    # [B, R, H, D]
+        rows = rows.view(B, -1, Hkv, group, D).permute(0, 2, 1, 3, 4).reshape(B, Hkv, -1, D)
+        row_valid = keys.q_valid[:, None, :, None].expand(B, 1, -1, group).reshape(B, 1, -1, 1)
+        best = lambda s: s.masked_fill(~row_valid, float("-inf")).amax(dim=2)               # [B, Hkv, C]
+        per_chunk = lambda part: summaries[part].transpose(1, 2).transpose(-1, -2)          # [B, Hkv, D, C]
+        if "chunk" in routing.policies:  # the upper bound: sum_d max(q_d * lo_d, q_d * hi_d)
+            scores["chunk"] = best(rows.clamp(min=0) @ per_chunk(1) + rows.clamp(max=0) @ per_chunk(0))
+        if "centroid" in routing.policies:
+            scores["centroid"] = best(rows @ per_chunk(2))
+    chunk_index = torch.arange(C, device=q.device, dtype=torch.float32)
+    if "window" in routing.policies:
+        scores["window"] = chunk_index.expand(B, Hkv, C)
+    if "random" in routing.policies:
+        head = torch.arange(Hkv, device=q.device)[:, None]
+        shuffled = (chunk_index.long() * 1103515245 + head * 12345 + layer * 2654435761) % 2147483647
+        scores["random"] = shuffled.float().expand(B, Hkv, C)
+    if len(scores) == 1:
+        score = next(iter(scores.values()))
+    else:  # each request its own policy's
+        index = torch.tensor([POLICIES.index(p) for p in scores], device=q.device)
+        pick = (routing.policy.clamp(min=0)[:, None] == index).float().argmax(dim=1)        # [B]
+        score = torch.stack(list(scores.values())).gather(0, pick[None, :, None, None].expand(1, B, Hkv, C))[0]
+    score = score.masked_fill(~keys.competes[:, None, :], float("-inf"))
     width = min(max(routing.max_top_k, 1), C)
-    top = scores.topk(width, dim=-1)
-    take = (torch.arange(width, device=keys.device) < routing.top_k[:, None, None]) & (top.values > float("-inf"))
-    opened = torch.zeros(B, Hkv, C, dtype=torch.bool, device=keys.device).scatter_(-1, top.indices, take)
-    chunk_of = (positions // CHUNK).expand(B, Hkv, K)
-    visible = opened.gather(-1, chunk_of) & routable[:, None, :]
-    always = (~in_prompt | (positions < SINKS) | (positions >= routing.prompt_len[:, None] - WINDOW))[:, None, :]
-    visible = (visible | always) & key_valid[:, None, :]
-    visible = visible | ((routing.policy < 0)[:, None, None] & key_valid[:, None, :])
-    # A pass with prompt rows loads every key for them (counted as read in full).
-    dense_count = in_prompt.sum(dim=1) * Hkv
-    read = torch.where(routing.pure, (visible & in_prompt[:, None, :]).sum(dim=(1, 2)), dense_count)
+    top = score.topk(width, dim=-1)
+    take = (torch.arange(width, device=q.device) < routing.top_k[:, None, None]) & (top.values > float("-inf"))
+    opened = torch.zeros(B, Hkv, C, dtype=torch.bool, device=q.device).scatter_(-1, top.indices, take)
+    visible = (opened.gather(-1, keys.chunk_of) & keys.routable[:, None, :]) | keys.always
+    read = (visible & keys.in_prompt[:, None, :]).sum(dim=(1, 2))                          # non-pure: in full
     routing.keys_read.index_add_(0, routing.batch_row, read)
-    routing.keys_dense.index_add_(0, routing.batch_row, dense_count)
+    routing.keys_dense.index_add_(0, routing.batch_row, keys.dense_count)
     return visible

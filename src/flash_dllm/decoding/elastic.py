@@ -159,7 +159,8 @@ def _leading_groups(p: CachedPass, groups: int) -> tuple[AttentionMetadata, int]
     n, longest = sum(counts[:groups]), max(counts[:groups])
     metadata = AttentionMetadata(cu_seqlens_q=m.cu_seqlens_q[:groups + 1], kv_start=m.kv_start[:groups],
                                  kv_len=m.kv_len[:groups], slot_mapping=m.slot_mapping[:n], max_q=longest,
-                                 max_kv=longest, track_rows=m.track_rows[:n], ordered=m.ordered)
+                                 max_kv=longest, track_rows=m.track_rows[:n], ordered=m.ordered,
+                                 routing=None if m.routing is None else m.routing.leading(groups, n))
     return metadata, n
 
 
@@ -182,7 +183,8 @@ def _reuse_pass(runner: ModelRunner, batch: DecodeBatch, reuse: CachedPass, trac
     tensors = (reuse.input_ids, reuse.positions, m.cu_seqlens_q, m.kv_start, m.kv_len, m.slot_mapping, m.track_rows,
                *drift_inputs)
     layers = functools.partial(_reuse_layers, runner.model, runner.cache, runner.kernels, m, width)
-    if not runner.uses_graphs(reuse.input_ids.shape[0]):
+    # A routed pass's routing (its rows in the prompt) is not among the graph's inputs.
+    if not runner.uses_graphs(reuse.input_ids.shape[0]) or m.routing is not None:
         return layers(*tensors)
     # Captured at its exact row count: padding rows would change the GEMMs' shapes, and cuBLAS's rounding with
     # them (2 of 100 embedded trace items decoded differently in fp32 on the H200).

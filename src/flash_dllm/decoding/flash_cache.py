@@ -8,6 +8,10 @@ fewer than beta_m masks remain, or fewer than beta_t positions are decoded, the 
 remaining candidates (decoded positions, or the nearest masks beyond the window), so the query count stays
 fixed. Every other position is read from the KV cache.
 
+A request whose prompt KV is routed (`kv_routing`, with a budget under 1) tracks its generated part only
+(Q = min(beta_m + beta_t, generated length)): its prompt's KV stays as the first pass wrote it, as in the dual
+cache, so that its steps read the prompt routed (a step with prompt rows reads every prompt key for them).
+
 On an architecture with shifted logits (Dream: column j's logits from the hidden state of column j - 1) the
 window's logit sources rank above the window itself: a decoded source takes a tracking row, and where the
 budget is short the last mask of a run of the window is read from the cache (its logits still come fresh from
@@ -51,18 +55,23 @@ class FlashCacheState:
     decoded_at: torch.Tensor  # long: the step that decoded the position; -1 for the prompt and for masks
 
 
-def query_priority(batch: DecodeBatch, logit_sources=None) -> torch.Tensor:
+def query_priority(batch: DecodeBatch, logit_sources=None,
+                   frozen_prompt: torch.Tensor | None = None) -> torch.Tensor:
     """[B, W] score whose top-Q columns per row are the step's queries (-inf: never a query). logit_sources:
-    the runner's map from columns to the columns that give their logits, for a shifted architecture."""
+    the runner's map from columns to the columns that give their logits, for a shifted architecture.
+    frozen_prompt [B] bool: rows whose prompt positions come last (routed prompts: never tracked)."""
     tokens, real, state = batch.tokens, batch.attention_mask, batch.state
     width = tokens.shape[1]
     columns = torch.arange(width, device=tokens.device)
     masked = (tokens == batch.mask_id) & (columns >= batch.gen_start)
     window = masked & (masked.cumsum(dim=1) <= batch.params.settings.mask_window)
     decoded = real & ~masked
+    if frozen_prompt is not None:
+        decoded = decoded & ~(frozen_prompt[:, None] & (columns < batch.gen_start))
     newly = decoded & (state.decoded_at == (batch.counters.steps - 1)[:, None])
     relative_mass = state.key_mass / (state.key_mass.amax(dim=1, keepdim=True) + 1e-30)  # in [0, 1]
     priority = torch.where(masked, 1.0 - columns / width, 2.0 + relative_mass)          # decoded above far masks
+    priority = torch.where(masked | decoded, priority, -1.0)                               # a frozen prompt last
     priority = torch.where(newly, 3.5, priority)
     priority = torch.where(window, 5.0, priority)
     if logit_sources is not None:
@@ -92,7 +101,9 @@ class FlashCache(Parallel):
         """The draft pass's query rows: every position at a row's first pass, then the budget."""
         settings = batch.params.settings
         budget = settings.mask_window + settings.tracking_budget
-        counts = tuple(row.length if row.is_first_pass else min(budget, row.length) for row in batch.rows)
+        counts = tuple(row.length if row.is_first_pass else
+                       min(budget, row.length - (row.prompt_length if row.params.routes_prompt else 0))
+                       for row in batch.rows)
         batch.count_query_rows(counts)
         return StepPlan(counts)
 
@@ -104,7 +115,8 @@ class FlashCache(Parallel):
         device, counts = batch.tokens.device, list(plan.counts)
         width, lengths, max_q = batch.tokens.shape[1], batch.lengths, max(counts)
         shifted = runner.logit_sources if runner.logit_shift else None
-        chosen = torch.topk(query_priority(batch, shifted), max_q, dim=1).indices          # [B, Qmax]
+        frozen = runner.constant([row.params.routes_prompt for row in batch.rows])
+        chosen = torch.topk(query_priority(batch, shifted, frozen.bool()), max_q, dim=1).indices  # [B, Qmax]
         valid = torch.arange(max_q, device=device) < runner.constant(counts)[:, None]
         chosen = torch.where(valid, chosen, width).sort(dim=1).values                      # ascending, invalid last
         p = runner.prepare(batch, counts, chosen, track=runner.logit_sources(batch.tokens == batch.mask_id))

@@ -175,7 +175,8 @@ class ModelRunner:
     def _routing(self, batch: DecodeBatch, order: list[int], rows: FlatRows, positions: torch.Tensor) -> PromptRouting:
         """The pass's routed prompts (batch rows `order`); the keys read are counted in the batch's counters."""
         requests = [batch.rows[b] for b in order]
-        return PromptRouting.build([row.prompt_length for row in requests], [row.params.kv_budget for row in requests],
+        return PromptRouting.build([row.prompt_length for row in requests], [row.length for row in requests],
+                                   rows.counts, [row.params.kv_budget for row in requests],
                                    [row.params.kv_routing for row in requests], rows.request, positions,
                                    self.constant(order), batch.counters.prompt_keys_read,
                                    batch.counters.prompt_keys_dense, self.constant)

@@ -20,6 +20,9 @@ from ..cache.kv_cache import KVCache
 # each as one request and as several (the attention kernel's verify tiles depend on the batch too).
 ROW_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 REQUEST_COUNTS = (1, 8)
+# Each pass also runs over this many keys (at most the cache's rows): few requests then split their keys across
+# programs, variants of the attention kernel of their own (kernels/flash_attention.py, SPLIT_MIN_KEYS).
+LONG_KV = 8192
 
 # model -> the modes (batch-invariant or not) whose variants are compiled in this process
 _compiled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -29,25 +32,28 @@ _compiled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def compile_kernels(model, cache: KVCache, row_counts: tuple[int, ...] = ROW_COUNTS,
                     request_counts: tuple[int, ...] = REQUEST_COUNTS, ordered: bool = False):
     """Run the three kinds of cached pass (cache write; with tracked rows; verify, which writes no cache)
-    through the kernels for each number of requests and rows per request, on the first cache rows (shared by
-    the requests). ordered: the batch-invariant mode's variants. Call before any sequence holds cache rows."""
+    through the kernels for each number of requests and rows per request, over as many keys as rows and over
+    LONG_KV, on the first cache rows (shared by the requests). ordered: the batch-invariant mode's variants.
+    Call before any sequence holds cache rows."""
     if ordered in _compiled.get(model, ()):
         return
     device = cache.k[0].device
     zeros = lambda *shape, dtype=torch.float32: torch.zeros(*shape, dtype=dtype, device=device)
+    long_kv = min(cache.num_rows, LONG_KV)
     for rows, requests in itertools.product(row_counts, request_counts):
         if rows > cache.num_rows:
             continue
         n = rows * requests
         ids = zeros(n, dtype=torch.long)
         positions = torch.arange(rows, device=device).repeat(requests)
-        shape = lambda **options: AttentionMetadata.build(
-            FlatRows.from_counts([rows] * requests, device), zeros(requests, dtype=torch.long),
-            torch.full((requests,), rows, device=device), positions, rows, ordered=ordered, **options)
-        model.forward_cached(ids, positions, shape(), cache, kernels=True)
-        tracked = shape(track_rows=torch.ones(n, dtype=torch.bool, device=device))
-        model.forward_cached(ids, positions, tracked, cache, key_mass=zeros(requests, rows), kernels=True)
-        verify = shape(write_cache=False, hidden_keys=zeros(requests, rows, dtype=torch.bool),
-                       self_visibility=torch.ones(requests, rows, rows, dtype=torch.bool, device=device))
-        model.forward_cached(ids, positions, verify, cache, kernels=True)
+        for kv in sorted({rows, max(rows, long_kv)}):
+            shape = lambda **options: AttentionMetadata.build(
+                FlatRows.from_counts([rows] * requests, device), zeros(requests, dtype=torch.long),
+                torch.full((requests,), kv, device=device), positions, kv, ordered=ordered, **options)
+            model.forward_cached(ids, positions, shape(), cache, kernels=True)
+            tracked = shape(track_rows=torch.ones(n, dtype=torch.bool, device=device))
+            model.forward_cached(ids, positions, tracked, cache, key_mass=zeros(requests, kv), kernels=True)
+            verify = shape(write_cache=False, hidden_keys=zeros(requests, kv, dtype=torch.bool),
+                           self_visibility=torch.ones(requests, rows, rows, dtype=torch.bool, device=device))
+            model.forward_cached(ids, positions, verify, cache, kernels=True)
     _compiled.setdefault(model, set()).add(ordered)

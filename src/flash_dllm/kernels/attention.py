@@ -54,15 +54,13 @@ def ordered_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def ragged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
                          key_mass: torch.Tensor | None = None, k_new: torch.Tensor | None = None,
-                         v_new: torch.Tensor | None = None, key_visible: torch.Tensor | None = None,
-                         dense_rows: torch.Tensor | None = None) -> torch.Tensor:
+                         v_new: torch.Tensor | None = None, key_visible: torch.Tensor | None = None) -> torch.Tensor:
     """q [N, H, D]; k_cache, v_cache [rows, Hkv, D] -> out [N, H, D] in q's dtype.
 
     With key_mass [B, max_kv] (fp32), adds for every key the softmax probability it receives, summed over
     heads and over the query rows marked in metadata.track_rows. With k_new, v_new [N, Hkv, D] (a pass that
     does not write the cache), the rows also attend to these keys under metadata.self_visibility. With
-    key_visible [B, Hkv, max_kv] bool (routed prompt keys), each KV head's rows read only the keys it marks,
-    except the rows marked in dense_rows [N] bool.
+    key_visible [B, Hkv, max_kv] bool (routed prompt keys), each KV head's rows read only the keys it marks.
     """
     group = q.shape[1] // k_cache.shape[1]
     q_lens = metadata.cu_seqlens_q[1:] - metadata.cu_seqlens_q[:-1]
@@ -78,8 +76,6 @@ def ragged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     if key_visible is not None:
         assert not metadata.ordered, "routed keys are not summed in the batch-invariant order"
         routed = key_visible.repeat_interleave(group, dim=1)[:, :, None, :]                 # [B, H, 1, K]
-        if dense_rows is not None:
-            routed = routed | (dense_rows[q_index] & q_valid)[:, None, :, None]
         mask = mask & routed
     if k_new is not None:
         kp, vp = torch.cat([kp, expand(k_new[q_index])], dim=2), torch.cat([vp, expand(v_new[q_index])], dim=2)

@@ -2,15 +2,24 @@
 
 One launch for the whole batch: program (request, query tile, head) runs an online softmax in fp32 over the
 request's cache range [kv_start, kv_start + kv_len), then, in a pass that does not write the cache, over the
-pass's own new keys under self_visibility. With key_mass, a second sweep over the cache keys sums each
-key's final softmax probability over the tile's tracked rows into one row per (query tile, head), so that
-no [rows, heads, keys] tensor is ever stored; those rows are then summed in a fixed order.
+pass's own new keys under self_visibility. With key_mass, a second sweep over the cache keys sums each key's
+final softmax probability over the tile's tracked rows into one row per (query tile, head), so that no
+[rows, heads, keys] tensor is ever stored; those rows are then summed in a fixed order.
+
+Long prompts with few query rows (too few programs to fill the GPU) split each request's keys across programs:
+each split writes its partial max, sum and output, a second kernel merges them in a fixed order (and gives each
+row's log-sum-exp), and the key mass is then a sweep of its own over the splits.
+
+Routed prompt keys (key_visible) are visited through a list of key tiles per (request, KV head): the tiles that
+hold a key it reads (every tile where a request's own prompt rows are in the pass), so that a step reads only
+the open chunks of a long prompt; splits then divide each list.
 """
 from __future__ import annotations
 
 import os
 
 import torch
+import torch.nn.functional as F
 
 from ..cache.attention_metadata import AttentionMetadata
 from .attention import ordered_sum
@@ -40,18 +49,35 @@ def launch_config(max_q: int, verify: bool = False, num_seqs: int = 1, fp32: boo
     return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
 
 
+# Enough programs to fill the H200's 132 SMs about twice; fewer, over at least SPLIT_MIN_KEYS keys, and a launch
+# splits each request's keys (below that the merge costs more than the split saves: H200, 768 keys). With the
+# key mass, whose split sweep reads K again, from SPLIT_MIN_KEYS_WITH_MASS (H200: 0.97-0.99x at 8k, 1.07x at 32k).
+TARGET_PROGRAMS = 264
+SPLIT_MIN_KEYS, SPLIT_MIN_KEYS_WITH_MASS = 4096, 16384
+MIN_SPLIT_TILES = 2  # a split covers at least this many key tiles
+
+
+def num_splits(programs: int, max_kv: int, block_n: int, key_mass: bool = False) -> int:
+    """Key splits per (request, query tile, head): 1 when `programs` fill the GPU or the keys are few, else
+    enough to fill it, each at least MIN_SPLIT_TILES key tiles long."""
+    if programs >= TARGET_PROGRAMS or max_kv < (SPLIT_MIN_KEYS_WITH_MASS if key_mass else SPLIT_MIN_KEYS):
+        return 1
+    return max(1, min(-(-TARGET_PROGRAMS // programs), max_kv // (MIN_SPLIT_TILES * block_n)))
+
+
 def flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
                     key_mass: torch.Tensor | None = None, k_new: torch.Tensor | None = None,
                     v_new: torch.Tensor | None = None, key_visible: torch.Tensor | None = None,
-                    dense_rows: torch.Tensor | None = None) -> torch.Tensor:
+                    splits: int | None = None) -> torch.Tensor:
     """q [N, H, D]; k_cache, v_cache [rows, Hkv, D] -> out [N, H, D] in q's dtype; a drop-in for
     ragged_attention_ref (same arguments, same result).
 
     key_mass [B, max_kv] fp32 (needs metadata.track_rows): += the softmax probability each cache key receives,
     summed over heads and tracked rows. k_new, v_new [N, Hkv, D] (with metadata.self_visibility): the rows also
     attend to the pass's own keys, and metadata.hidden_keys hides cache keys. key_visible [B, Hkv, max_kv]
-    bool (routed prompt keys): each KV head reads only the keys it marks (the others are never loaded), except
-    the rows marked in dense_rows [N] bool, which read every key. A row that sees no key gets 0.
+    bool (routed prompt keys): each KV head reads only the keys it marks (the others are never loaded, and the
+    key tiles without one are never visited). A row that sees no key gets 0.
+    splits: key splits per program (default: `num_splits`; always 1 in the batch-invariant mode).
     """
     if triton is None:
         raise RuntimeError("flash_attention needs triton; use ragged_attention_ref")
@@ -60,41 +86,88 @@ def flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     N, H, D = q.shape
     group = H // k_cache.shape[1]
     has_new, hidden, track = k_new is not None, metadata.hidden_keys, key_mass is not None
-    # A verify pass may end in padding rows that belong to no request (cuda_graphs.pad_verify_pass): no
-    # program visits them, so they must start at 0.
-    out = torch.zeros_like(q) if has_new else torch.empty_like(q)
     if N == 0:
-        return out
+        return torch.empty_like(q)
     assert q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1
+    config = launch_config(metadata.max_q, verify=has_new, num_seqs=metadata.num_seqs,
+                           fp32=q.dtype == torch.float32, ordered=metadata.ordered)
+    tiles = triton.cdiv(metadata.max_q, config["BLOCK_M"])
+    if splits is None:  # the batch-invariant mode never splits: the split count depends on the batch
+        splits = 1 if metadata.ordered else num_splits(metadata.num_seqs * tiles * H, metadata.max_kv,
+                                                        config["BLOCK_N"], track)
+    kv_chunk = triton.cdiv(triton.cdiv(max(metadata.max_kv, 1), splits), config["BLOCK_N"]) * config["BLOCK_N"]
+    grid = (metadata.num_seqs, tiles, H * splits)
+    # A verify pass may end in padding rows that belong to no request (cuda_graphs.pad_verify_pass): no
+    # program visits them, so they must start at 0 (and so must the rows of a split launch's partials).
+    out = torch.zeros_like(q) if has_new else torch.empty_like(q)
+    split = splits > 1
+    if split:  # each split's unnormalised output, running max and sum
+        part_out = torch.zeros(splits, N, H, D, dtype=torch.float32, device=q.device)
+        part_max = torch.full((splits, N, H), float("-inf"), device=q.device)
+        part_sum = torch.zeros(splits, N, H, device=q.device)
+    else:
+        part_out = out
+        part_max = part_sum = q  # unread
     # Dummy pointers for the disabled features; their constexpr flags keep them unread.
     k_new, v_new = (k_new, v_new) if has_new else (k_cache, v_cache)
     visibility = metadata.self_visibility.contiguous().view(torch.uint8) if has_new else q
-    if key_visible is not None:  # one mask per KV head: bit 0 hides a key from routed rows, bit 1 from every row
-        hidden = (~key_visible).to(torch.uint8) | (0 if hidden is None else 3 * hidden[:, None, :].to(torch.uint8))
+    listed = listed_count = q  # unread without routing
+    if key_visible is not None:  # one mask per KV head
+        listed, listed_count = key_tiles(key_visible, metadata, config["BLOCK_N"])
+        hidden = ~key_visible if hidden is None else ~key_visible | hidden[:, None, :]
     hidden = hidden.contiguous().view(torch.uint8) if hidden is not None else q
     stride_hh = hidden.stride(1) if key_visible is not None else 0
-    has_dense = key_visible is not None and dense_rows is not None
-    dense_rows = dense_rows.contiguous().view(torch.uint8) if has_dense else q
     track_rows = metadata.track_rows.contiguous().view(torch.uint8) if track else q
-    config = launch_config(metadata.max_q, verify=has_new, num_seqs=metadata.num_seqs,
-                           fp32=q.dtype == torch.float32, ordered=metadata.ordered)
-    grid = (metadata.num_seqs, triton.cdiv(metadata.max_q, config["BLOCK_M"]), H)
     # Atomics would add the partial masses in a different order every run, and a near-tie in the tracked
     # set could then flip a token; partial rows summed after the launch give the same mass every time.
-    partial = torch.zeros(metadata.num_seqs, grid[1] * H, metadata.max_kv, device=q.device) if track else out
+    partial = torch.zeros(metadata.num_seqs, tiles * H, metadata.max_kv, device=q.device) if track else q
+    dot_fp32 = q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
+    block_d = max(16, triton.next_power_of_2(D))
     _flash_attention_kernel[grid](
-        q, k_cache, v_cache, out, k_new, v_new,
-        metadata.cu_seqlens_q, metadata.kv_start, metadata.kv_len, hidden, visibility, track_rows, dense_rows, partial,
+        q, k_cache, v_cache, part_out, part_max, part_sum, k_new, v_new,
+        metadata.cu_seqlens_q, metadata.kv_start, metadata.kv_len, hidden, visibility, track_rows, partial,
+        listed, listed_count, listed.stride(0) if listed is not q else 0, listed.stride(1) if listed is not q else 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        out.stride(0), out.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
-        hidden.stride(0), stride_hh, visibility.stride(0), visibility.stride(1), partial.stride(0), partial.stride(1),
-        D ** -0.5, D,
-        GROUP=group, HAS_HIDDEN=hidden is not q, HAS_NEW=has_new, TRACK=track, HAS_DENSE=has_dense,
-        BLOCK_D=max(16, triton.next_power_of_2(D)),
-        DOT_FP32=q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1", **config)
+        part_out.stride(-3), part_out.stride(-2), part_out.stride(0) if split else 0,
+        part_max.stride(0) if split else 0, H, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+        hidden.stride(0), stride_hh, visibility.stride(0), visibility.stride(1), partial.stride(0),
+        partial.stride(1), D ** -0.5, D, kv_chunk, H,
+        GROUP=group, HAS_HIDDEN=hidden is not q, HAS_NEW=has_new, TRACK=track and not split,
+        SPLIT=split, HAS_TILES=listed is not q, BLOCK_D=block_d, DOT_FP32=dot_fp32, **config)
+    if split:
+        lse = torch.empty(N, H, device=q.device) if track else q
+        _merge_splits_kernel[(N, H)](
+            part_out, part_max, part_sum, out, lse, splits, part_out.stride(0), part_out.stride(1),
+            part_out.stride(2), part_max.stride(0), part_max.stride(1), out.stride(0), out.stride(1), D,
+            KEEP_LSE=track, BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=block_d)
+        if track:
+            _key_mass_kernel[grid](
+                q, k_cache, lse, partial, metadata.cu_seqlens_q, metadata.kv_start, metadata.kv_len, hidden,
+                track_rows, listed, listed_count, listed.stride(0) if listed is not q else 0,
+                listed.stride(1) if listed is not q else 0, q.stride(0), q.stride(1), k_cache.stride(0),
+                k_cache.stride(1), lse.stride(0), hidden.stride(0), stride_hh, partial.stride(0), partial.stride(1),
+                D ** -0.5, D, kv_chunk, H, GROUP=group, HAS_HIDDEN=hidden is not q,
+                HAS_TILES=listed is not q,
+                BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_D=block_d, DOT_FP32=dot_fp32,
+                num_warps=config["num_warps"], num_stages=config["num_stages"])
     if track:  # ordered: the rows of the other requests' extra query tiles are zeros after this one's
         key_mass += ordered_sum(partial, dim=1) if metadata.ordered else partial.sum(dim=1)
     return out
+
+
+def key_tiles(key_visible: torch.Tensor, metadata: AttentionMetadata,
+              block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """key_visible [B, Hkv, max_kv] -> (tiles [B, Hkv, T] int32, count [B, Hkv] int32): per request and KV head,
+    the indices of its range's key tiles of block_n keys that hold a visible key, ascending, in the first `count`
+    entries."""
+    B, Hkv, K = key_visible.shape
+    T = triton.cdiv(max(K, 1), block_n)
+    listed = F.pad(key_visible, (0, T * block_n - K)).view(B, Hkv, T, block_n).any(dim=-1)
+    in_range = (torch.arange(T, device=key_visible.device) * block_n < metadata.kv_len[:, None])[:, None, :]
+    listed = listed & in_range
+    index = torch.arange(T, device=key_visible.device, dtype=torch.int32)
+    tiles = torch.where(listed, index, index + T).sort(dim=-1).values                # listed first, in order
+    return tiles, listed.sum(dim=-1, dtype=torch.int32)
 
 
 if triton is not None:
@@ -117,72 +190,90 @@ if triton is not None:
         return b_m_new, b_l, b_acc
 
     @triton.jit
+    def _key_range(seq, kv_head, num_kv_heads, split, kv_len, kv_chunk, tiles_ptr, count_ptr, stride_tb, stride_th,
+                   HAS_TILES: tl.constexpr, BLOCK_N: tl.constexpr):
+        """The loop bounds (first, end, step) of this split's cache keys, and its tile list's address: with
+        HAS_TILES the loop runs over entries of the list, the split taking its share of this list's tiles;
+        else over key offsets, the split taking kv_chunk keys."""
+        kv_len = kv_len.to(tl.int32)
+        if HAS_TILES:
+            p_tiles = tiles_ptr + seq * stride_tb + kv_head * stride_th
+            count = tl.load(count_ptr + seq * num_kv_heads + kv_head)
+            share = tl.cdiv(count, tl.cdiv(tl.maximum(kv_len, 1), kv_chunk))  # the same split count as the keys'
+            first, end, step = split * share, tl.minimum(count, split * share + share), 1
+        else:
+            p_tiles = tiles_ptr
+            first, end, step = split * kv_chunk, tl.minimum(kv_len, split * kv_chunk + kv_chunk), BLOCK_N
+        return first, end, step, p_tiles
+
+    @triton.jit
+    def _tile_start(i, p_tiles, HAS_TILES: tl.constexpr, BLOCK_N: tl.constexpr):
+        """The first key offset of loop entry i: a listed tile's, or i itself (a key offset)."""
+        start = i
+        if HAS_TILES:
+            start = tl.load(p_tiles + i) * BLOCK_N
+        return start
+
+    @triton.jit
     def _cache_scores(b_q, k_ptr, hidden_ptr, seq, kv_begin, kv_len, start, kv_head, stride_kn, stride_kh,
-                      stride_hb, stride_hh, qk_scale, o_d, m_d, b_dense, any_dense, HAS_HIDDEN: tl.constexpr,
-                      HAS_DENSE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr):
+                      stride_hb, stride_hh, qk_scale, o_d, m_d, HAS_HIDDEN: tl.constexpr, BLOCK_N: tl.constexpr,
+                      DOT_FP32: tl.constexpr):
         """Log2-domain scores [M, BLOCK_N] of the cache keys start.. of the request (-inf where out of range
-        or hidden; the rows b_dense see every key in range) and the mask of the keys loaded."""
+        or hidden) and the mask of the keys loaded."""
         o_n = start + tl.arange(0, BLOCK_N)
-        m_valid = o_n < kv_len
-        m_key, m_all = m_valid, m_valid  # the keys of the (routed) rows, and of the rows that read every key
+        m_key = o_n < kv_len
         if HAS_HIDDEN:
-            b_hidden = tl.load(hidden_ptr + seq * stride_hb + kv_head * stride_hh + o_n, mask=m_valid, other=3)
-            m_key = m_valid & ((b_hidden & 1) == 0)
-            m_all = m_valid & ((b_hidden & 2) == 0)
-        m_load = m_key
-        if HAS_DENSE:
-            m_load = m_key | (m_all & ((tl.zeros([BLOCK_N], dtype=tl.int32) + any_dense) != 0))
+            b_hidden = tl.load(hidden_ptr + seq * stride_hb + kv_head * stride_hh + o_n, mask=m_key, other=1)
+            m_key = m_key & (b_hidden == 0)
         b_k = tl.load(k_ptr + (kv_begin + o_n)[:, None] * stride_kn + kv_head * stride_kh + o_d[None, :],
-                      mask=m_load[:, None] & m_d[None, :], other=0.0)
+                      mask=m_key[:, None] & m_d[None, :], other=0.0)
         b_s = _dot(b_q, tl.trans(b_k), DOT_FP32) * qk_scale
-        if HAS_DENSE:
-            return tl.where(m_key[None, :] | (b_dense[:, None] & m_all[None, :]), b_s, float("-inf")), m_load
-        return tl.where(m_key[None, :], b_s, float("-inf")), m_load
+        return tl.where(m_key[None, :], b_s, float("-inf")), m_key
 
     # Strides that vary with the step's shapes are not specialised on (divisibility by 16): each new
     # combination would compile a new kernel in the middle of decoding.
-    @triton.jit(do_not_specialize=["stride_hb", "stride_hh", "stride_visb", "stride_visq", "stride_mb",
-                                   "stride_mr"])
+    @triton.jit(do_not_specialize=["stride_hb", "stride_hh", "stride_visb", "stride_visq", "stride_mb", "stride_mr",
+                                   "stride_os", "stride_ms", "kv_chunk", "stride_tb", "stride_th"])
     def _flash_attention_kernel(
-            q_ptr, k_ptr, v_ptr, o_ptr, kn_ptr, vn_ptr,
-            cu_q_ptr, kv_start_ptr, kv_len_ptr, hidden_ptr, vis_ptr, track_ptr, dense_ptr, mass_ptr,
-            stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh,
-            stride_knn, stride_knh, stride_vnn, stride_vnh, stride_hb, stride_hh, stride_visb, stride_visq, stride_mb,
-            stride_mr,
-            scale, D,
+            q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr, kn_ptr, vn_ptr,
+            cu_q_ptr, kv_start_ptr, kv_len_ptr, hidden_ptr, vis_ptr, track_ptr, mass_ptr,
+            tiles_ptr, count_ptr, stride_tb, stride_th, stride_qn, stride_qh, stride_kn, stride_kh, stride_vn,
+            stride_vh, stride_on, stride_oh, stride_os,
+            stride_ms, stride_mn, stride_knn, stride_knh, stride_vnn, stride_vnh, stride_hb, stride_hh, stride_visb,
+            stride_visq, stride_mb, stride_mr, scale, D, kv_chunk, H,
             GROUP: tl.constexpr, HAS_HIDDEN: tl.constexpr, HAS_NEW: tl.constexpr, TRACK: tl.constexpr,
-            HAS_DENSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-            DOT_FP32: tl.constexpr):
-        seq, tile, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+            SPLIT: tl.constexpr, HAS_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr):
+        seq, tile = tl.program_id(0), tl.program_id(1)
+        head, split = tl.program_id(2) % H, tl.program_id(2) // H
         q_begin = tl.load(cu_q_ptr + seq)
         q_len = tl.load(cu_q_ptr + seq + 1) - q_begin
         if tile * BLOCK_M >= q_len:
             return
         kv_begin, kv_len = tl.load(kv_start_ptr + seq), tl.load(kv_len_ptr + seq)
         kv_head = head // GROUP
+        kv_first, kv_end, step, p_tiles = _key_range(seq, kv_head, H // GROUP, split, kv_len, kv_chunk, tiles_ptr,
+                                                     count_ptr, stride_tb, stride_th, HAS_TILES, BLOCK_N)
         o_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)                          # query rows of the request
         o_d = tl.arange(0, BLOCK_D)
         m_m, m_d = o_m < q_len, o_d < D
         b_q = tl.load(q_ptr + (q_begin + o_m)[:, None] * stride_qn + head * stride_qh + o_d[None, :],
                       mask=m_m[:, None] & m_d[None, :], other=0.0)
         qk_scale = scale * 1.4426950408889634  # exp(x) = exp2(x * log2(e))
-        b_dense = m_m & False  # rows that read every key past the routing (a routed pass's prompt rows)
-        if HAS_DENSE:
-            b_dense = (tl.load(dense_ptr + q_begin + o_m, mask=m_m, other=0) != 0) & m_m
-        any_dense = tl.max(b_dense.to(tl.int32), 0)  # 1 if the tile has such a row
 
         b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
         b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        for start in range(0, kv_len, BLOCK_N):
+        for i in range(kv_first, kv_end, step):
+            start = _tile_start(i, p_tiles, HAS_TILES, BLOCK_N)
             b_s, m_key = _cache_scores(b_q, k_ptr, hidden_ptr, seq, kv_begin, kv_len, start, kv_head, stride_kn,
-                                       stride_kh, stride_hb, stride_hh, qk_scale, o_d, m_d, b_dense, any_dense,
-                                       HAS_HIDDEN, HAS_DENSE, BLOCK_N, DOT_FP32)
+                                       stride_kh, stride_hb, stride_hh, qk_scale, o_d, m_d, HAS_HIDDEN, BLOCK_N,
+                                       DOT_FP32)
             b_v = tl.load(v_ptr + (kv_begin + start + tl.arange(0, BLOCK_N))[:, None] * stride_vn
                           + kv_head * stride_vh + o_d[None, :], mask=m_key[:, None] & m_d[None, :], other=0.0)
             b_m, b_l, b_acc = _softmax_step(b_s, b_v, b_m, b_l, b_acc, DOT_FP32)
-        if HAS_NEW:  # the pass's own keys: rows q_begin.., visible as self_visibility[seq, row, key] says
-            for start in range(0, q_len, BLOCK_N):
+        if HAS_NEW:  # the pass's own keys (split 0): rows q_begin.., visible as self_visibility[seq, row, key] says
+            for start in range(0, tl.where(split == 0, q_len, 0), BLOCK_N):
                 o_n = start + tl.arange(0, BLOCK_N)
                 m_n = o_n < q_len
                 m_kd = m_n[:, None] & m_d[None, :]
@@ -196,20 +287,93 @@ if triton is not None:
                 b_s = tl.where(b_vis != 0, b_s, float("-inf"))
                 b_m, b_l, b_acc = _softmax_step(b_s, b_v, b_m, b_l, b_acc, DOT_FP32)
 
-        b_o = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]  # a row that saw no key has b_acc = 0
-        tl.store(o_ptr + (q_begin + o_m)[:, None] * stride_on + head * stride_oh + o_d[None, :],
-                 b_o.to(o_ptr.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])
+        if SPLIT:  # this split's unnormalised output, max and sum, merged by _merge_splits_kernel
+            p_row = split * stride_ms + (q_begin + o_m) * stride_mn + head
+            tl.store(o_ptr + split * stride_os + (q_begin + o_m)[:, None] * stride_on + head * stride_oh
+                     + o_d[None, :], b_acc, mask=m_m[:, None] & m_d[None, :])
+            tl.store(m_ptr + p_row, b_m, mask=m_m)
+            tl.store(l_ptr + p_row, b_l, mask=m_m)
+        else:
+            b_o = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]  # a row that saw no key has b_acc = 0
+            tl.store(o_ptr + (q_begin + o_m)[:, None] * stride_on + head * stride_oh + o_d[None, :],
+                     b_o.to(o_ptr.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])
 
         if TRACK:  # second sweep: each cache key's final probability, summed over this tile's tracked rows
             b_track = (tl.load(track_ptr + q_begin + o_m, mask=m_m, other=0) != 0) & (b_l > 0)
             b_lse = b_m + tl.log2(tl.where(b_track, b_l, 1.0))
             # A tile without tracked rows (decoded positions only) skips the sweep; its partial row stays 0.
-            sweep_len = tl.where(tl.sum(b_track.to(tl.int32), 0) > 0, kv_len, 0)
-            for start in range(0, sweep_len, BLOCK_N):
+            sweep_end = tl.where(tl.sum(b_track.to(tl.int32), 0) > 0, kv_end, kv_first)
+            for i in range(kv_first, sweep_end, step):
+                start = _tile_start(i, p_tiles, HAS_TILES, BLOCK_N)
                 b_s, m_key = _cache_scores(b_q, k_ptr, hidden_ptr, seq, kv_begin, kv_len, start, kv_head,
-                                           stride_kn, stride_kh, stride_hb, stride_hh, qk_scale, o_d, m_d, b_dense,
-                                           any_dense, HAS_HIDDEN, HAS_DENSE, BLOCK_N, DOT_FP32)
+                                           stride_kn, stride_kh, stride_hb, stride_hh, qk_scale, o_d, m_d,
+                                           HAS_HIDDEN, BLOCK_N, DOT_FP32)
                 b_p = tl.where(b_track[:, None], tl.exp2(b_s - b_lse[:, None]), 0.0)
                 o_n = start + tl.arange(0, BLOCK_N)
-                p_mass = mass_ptr + seq * stride_mb + (tile * tl.num_programs(2) + head) * stride_mr + o_n
+                p_mass = mass_ptr + seq * stride_mb + (tile * H + head) * stride_mr + o_n
                 tl.store(p_mass, tl.sum(b_p, 0), mask=m_key)
+
+    @triton.jit(do_not_specialize=["S", "stride_os", "stride_ms"])
+    def _merge_splits_kernel(part_ptr, m_ptr, l_ptr, o_ptr, lse_ptr, S, stride_os, stride_on, stride_oh,
+                             stride_ms, stride_mn, stride_qn, stride_qh, D, KEEP_LSE: tl.constexpr,
+                             BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Row (program 0) and head (program 1) of a split launch: out = sum_s 2^(m_s - m) acc_s / l, with
+        l = sum_s 2^(m_s - m) l_s and m the largest m_s, summed over the splits in one order; and the row's
+        log2-domain log-sum-exp m + log2 l (-inf where it saw no key)."""
+        row, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        o_s, o_d = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)
+        m_s, m_d = o_s < S, o_d < D
+        p_stat = o_s * stride_ms + row * stride_mn + head
+        b_m = tl.load(m_ptr + p_stat, mask=m_s, other=float("-inf"))
+        b_l = tl.load(l_ptr + p_stat, mask=m_s, other=0.0)
+        b_max = tl.max(b_m, 0)
+        b_w = tl.exp2(b_m - tl.where(b_max == float("-inf"), 0.0, b_max))  # 0 for a split that saw no key
+        b_sum = tl.sum(b_w * b_l, 0)
+        b_acc = tl.load(part_ptr + o_s[:, None] * stride_os + row * stride_on + head * stride_oh + o_d[None, :],
+                        mask=m_s[:, None] & m_d[None, :], other=0.0)
+        b_o = tl.sum(b_w[:, None] * b_acc, 0) / tl.where(b_sum > 0, b_sum, 1.0)
+        tl.store(o_ptr + row * stride_qn + head * stride_qh + o_d, b_o.to(o_ptr.dtype.element_ty), mask=m_d)
+        if KEEP_LSE:
+            tl.store(lse_ptr + row * stride_mn + head,
+                     tl.where(b_sum > 0, b_max + tl.log2(tl.where(b_sum > 0, b_sum, 1.0)), float("-inf")))
+
+    @triton.jit(do_not_specialize=["stride_hb", "stride_hh", "stride_mb", "stride_mr", "kv_chunk", "stride_tb",
+                                   "stride_th"])
+    def _key_mass_kernel(
+            q_ptr, k_ptr, lse_ptr, mass_ptr, cu_q_ptr, kv_start_ptr, kv_len_ptr, hidden_ptr, track_ptr,
+            tiles_ptr, count_ptr, stride_tb, stride_th, stride_qn, stride_qh, stride_kn, stride_kh, stride_lse,
+            stride_hb, stride_hh, stride_mb, stride_mr,
+            scale, D, kv_chunk, H,
+            GROUP: tl.constexpr, HAS_HIDDEN: tl.constexpr, HAS_TILES: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr):
+        """Each cache key's final probability (from the rows' log-sum-exp) summed over the tile's tracked rows,
+        into row (tile, head) of the request's partial masses, over this program's split of the keys."""
+        seq, tile = tl.program_id(0), tl.program_id(1)
+        head, split = tl.program_id(2) % H, tl.program_id(2) // H
+        q_begin = tl.load(cu_q_ptr + seq)
+        q_len = tl.load(cu_q_ptr + seq + 1) - q_begin
+        if tile * BLOCK_M >= q_len:
+            return
+        kv_begin, kv_len = tl.load(kv_start_ptr + seq), tl.load(kv_len_ptr + seq)
+        kv_first, kv_end, step, p_tiles = _key_range(seq, head // GROUP, H // GROUP, split, kv_len, kv_chunk,
+                                                     tiles_ptr, count_ptr, stride_tb, stride_th, HAS_TILES, BLOCK_N)
+        o_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        o_d = tl.arange(0, BLOCK_D)
+        m_m, m_d = o_m < q_len, o_d < D
+        b_lse = tl.load(lse_ptr + (q_begin + o_m) * stride_lse + head, mask=m_m, other=float("-inf"))
+        b_track = (tl.load(track_ptr + q_begin + o_m, mask=m_m, other=0) != 0) & (b_lse > float("-inf"))
+        # A tile without tracked rows (decoded positions only) skips the sweep; its partial row stays 0.
+        kv_end = tl.where(tl.sum(b_track.to(tl.int32), 0) > 0, kv_end, kv_first)
+        b_q = tl.load(q_ptr + (q_begin + o_m)[:, None] * stride_qn + head * stride_qh + o_d[None, :],
+                      mask=m_m[:, None] & m_d[None, :], other=0.0)
+        b_lse = tl.where(b_track, b_lse, 0.0)
+        qk_scale = scale * 1.4426950408889634
+        for i in range(kv_first, kv_end, step):
+            start = _tile_start(i, p_tiles, HAS_TILES, BLOCK_N)
+            b_s, m_key = _cache_scores(b_q, k_ptr, hidden_ptr, seq, kv_begin, kv_len, start, head // GROUP,
+                                       stride_kn, stride_kh, stride_hb, stride_hh, qk_scale, o_d, m_d, HAS_HIDDEN,
+                                       BLOCK_N, DOT_FP32)
+            b_p = tl.where(b_track[:, None], tl.exp2(b_s - b_lse[:, None]), 0.0)
+            o_n = start + tl.arange(0, BLOCK_N)
+            p_mass = mass_ptr + seq * stride_mb + (tile * H + head) * stride_mr + o_n
+            tl.store(p_mass, tl.sum(b_p, 0), mask=m_key)

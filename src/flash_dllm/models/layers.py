@@ -16,8 +16,9 @@ from torch import nn
 from ..cache.attention_metadata import AttentionMetadata
 from ..cache.kv_cache import KVCache
 from ..config import ModelConfig
-from ..cache.routing import route
+from ..cache.routing import CHUNK, count_in_full, route, route_stored
 from ..kernels.attention import ordered_attention, ragged_attention_ref
+from ..kernels.chunk_summaries import write_chunk_summaries
 from ..kernels.flash_attention import flash_attention
 from ..kernels.fused_qkv_rope import qkv_rope
 from ..kernels.invariant_matmul import invariant_matmul
@@ -170,16 +171,27 @@ class Attention(nn.Module):
         if metadata.write_cache:
             k_cache[metadata.slot_mapping], v_cache[metadata.slot_mapping] = k, v
         own = {} if metadata.write_cache else dict(k_new=k, v_new=v)
-        out = ragged_attention_ref(q, k_cache, v_cache, metadata, key_mass, **self._routed(q, k_cache, metadata),
+        out = ragged_attention_ref(q, k_cache, v_cache, metadata, key_mass, **self._routed(q, cache, metadata, False),
                                    **own)
         return self.o_proj(out.reshape(N, -1))
 
-    def _routed(self, q: torch.Tensor, k_cache: torch.Tensor, metadata: AttentionMetadata) -> dict:
-        """The attention's routing arguments: the cache keys each request's KV head reads this pass, where its
-        prompt keys are routed, and the rows that read every key."""
+    def _routed(self, q: torch.Tensor, cache: KVCache, metadata: AttentionMetadata, kernels: bool) -> dict:
+        """The attention's routing argument: the cache keys each request's KV head reads this pass, where its
+        prompt keys are routed. `kernels`: from the chunk summaries kept beside the cache, first rewritten where
+        the pass wrote prompt keys; else the reference's, from the cache."""
         if metadata.routing is None:
             return {}
-        return dict(key_visible=route(q, k_cache, metadata, self.layer), dense_rows=metadata.routing.dense_rows)
+        if kernels:
+            summaries = cache.chunk_summaries(CHUNK)[self.layer]
+            if metadata.write_cache:
+                written = metadata.routing.written_chunks(metadata, cache.scratch_row)
+                write_chunk_summaries(cache.k[self.layer], summaries, *written)
+        if metadata.routing.read_in_full:  # a full pass: the dense attention
+            count_in_full(metadata, self.num_kv_heads)
+            return {}
+        if kernels:
+            return dict(key_visible=route_stored(q, summaries, metadata, self.layer))
+        return dict(key_visible=route(q, cache.k[self.layer], metadata, self.layer))
 
     def _kernel_attention(self, x, rope, metadata, cache, key_mass) -> torch.Tensor:
         k_cache, v_cache = cache.k[self.layer], cache.v[self.layer]
@@ -188,12 +200,12 @@ class Attention(nn.Module):
             self.rope_theta, invariant=metadata.ordered)
         if metadata.write_cache:
             q = write_qkv(metadata.slot_mapping, k_cache, v_cache)
-            return flash_attention(q, k_cache, v_cache, metadata, key_mass, **self._routed(q, k_cache, metadata))
+            return flash_attention(q, k_cache, v_cache, metadata, key_mass, **self._routed(q, cache, metadata, True))
         # A pass that must not write the cache (verify): its own K/V go to fresh rows.
         k_new, v_new = (x.new_empty(x.shape[0], self.num_kv_heads, self.head_dim) for _ in range(2))
         q = write_qkv(torch.arange(x.shape[0], device=x.device), k_new, v_new)
         return flash_attention(q, k_cache, v_cache, metadata, key_mass, k_new=k_new, v_new=v_new,
-                               **self._routed(q, k_cache, metadata))
+                               **self._routed(q, cache, metadata, True))
 
 
 class GatedMLP(nn.Module):
