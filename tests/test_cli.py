@@ -94,8 +94,9 @@ def test_bench_step_on_cpu(capsys):
     captured = capsys.readouterr()
     lines = [line.strip("| ").split(" | ") for line in captured.out.splitlines() if line.startswith("| ")]
     header, rows = lines[0], [dict(zip(lines[0], line)) for line in lines[1:]]
-    assert header[:7] == ["method", "batch", "block", "ms/iter", "tokens/iter/req", "query rows/iter/req",
-                          "passes/iter"]
+    assert header[:9] == ["method", "prompt KV", "read", "batch", "block", "ms/iter", "tokens/iter/req",
+                          "query rows/iter/req", "passes/iter"]
+    assert all(r["prompt KV"] == "dense" and r["read"] == "1.000" for r in rows)
     assert header[-3:] == ["tok/s @1.0", "tok/s @2.8", "tok/s @5.7"]
     assert [(r["method"], r["batch"]) for r in rows] == [(m, b) for m in ("reference", "dual-cache", "flash-verify")
                                                          for b in ("1", "2")]

@@ -108,11 +108,13 @@ def test_a_budget_of_one_is_the_dense_attention(gqa_checkpoint, knobs):
     assert all(o.prompt_kv_read == 1.0 for o in routed) and all(o.prompt_kv_read is None for o in dense)
 
 
-@pytest.mark.parametrize("knobs", CACHED, ids=lambda k: k["method"])
+@pytest.mark.parametrize("knobs", [CACHED[1], CACHED[3], CACHED[4]], ids=lambda k: k["method"])
 def test_a_small_budget_reads_less_and_the_kernels_route_as_the_reference(gqa_checkpoint, knobs):
     """The kernel path routes from the chunk summaries kept beside the cache (rewritten where a pass writes
     prompt keys) and visits only the listed key tiles: the same tokens and keys read as the reference's routing
-    from the cache."""
+    from the cache. Dual-cache (full and block passes), Flash-Verify (a Flash-Cache draft pass and the verify
+    pass, which writes no cache) and Elastic-Cache (refresh passes over some layers): the interpreted kernels
+    are slow on the CPU."""
     params = SamplingParams(max_tokens=16, block_length=8, threshold=1.0, kv_routing="chunk", kv_budget=0.5,
                             **knobs)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # on the CPU the kernels run interpreted (conftest)
