@@ -115,7 +115,7 @@ def test_a_small_budget_reads_less_and_the_kernels_route_as_the_reference(gqa_ch
     from the cache. Dual-cache (full and block passes), Flash-Verify (a Flash-Cache draft pass and the verify
     pass, which writes no cache) and Elastic-Cache (refresh passes over some layers): the interpreted kernels
     are slow on the CPU."""
-    params = SamplingParams(max_tokens=16, block_length=8, threshold=1.0, kv_routing="chunk", kv_budget=0.5,
+    params = SamplingParams(max_tokens=8, block_length=8, threshold=1.0, kv_routing="chunk", kv_budget=0.5,
                             **knobs)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # on the CPU the kernels run interpreted (conftest)
     outputs = {kernels: LLM(gqa_checkpoint, device=device, dtype="float32", kernels=kernels).generate(
