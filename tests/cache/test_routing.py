@@ -21,8 +21,8 @@ def routing_of(policies, budget=0.125, positions=None):
     rows = torch.arange(B).repeat_interleave(4)
     positions = torch.tensor(PROMPT).repeat_interleave(4) if positions is None else positions
     counters = torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.long)
-    return PromptRouting.build(PROMPT, [p + 40 for p in PROMPT], [4] * B, [budget] * B, policies, rows, positions,
-                               torch.arange(B), *counters, lambda values: torch.tensor(values))
+    return PromptRouting.build(PROMPT, [p + 40 for p in PROMPT], [4] * B, True, [budget] * B, policies, rows,
+                               positions, torch.arange(B), *counters, lambda values: torch.tensor(values))
 
 
 def step(policies, budget=0.125, needle=None, positions=None):
@@ -142,9 +142,10 @@ def test_settings_are_checked(gqa_checkpoint):
 def test_a_pass_with_more_rows_than_a_generated_part_reads_in_full():
     """Every routed request of the pass has more rows than its generated part (a full pass): it cannot be pure, so
     the pass runs the dense attention and only counts its keys; one request that may be pure routes the pass."""
-    build = lambda counts, policies: PromptRouting.build(
-        [100, 100], [140, 140], counts, [0.1, 0.1], policies, torch.zeros(sum(counts), dtype=torch.long),
+    build = lambda counts, policies, writes=True: PromptRouting.build(
+        [100, 100], [140, 140], counts, writes, [0.1, 0.1], policies, torch.zeros(sum(counts), dtype=torch.long),
         torch.zeros(sum(counts), dtype=torch.long), torch.arange(2), torch.zeros(2), torch.zeros(2), torch.tensor)
     assert build([140, 41], ["chunk", "chunk"]).read_in_full
     assert build([140, 8], ["chunk", None]).read_in_full  # the unrouted request reads in full anyway
     assert not build([140, 40], ["chunk", "chunk"]).read_in_full
+    assert not build([140, 41], ["chunk", "chunk"], writes=False).read_in_full  # a verify pass: two views

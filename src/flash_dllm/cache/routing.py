@@ -61,8 +61,8 @@ class PromptRouting:
     policies: tuple[str, ...]  # the policies present (host: only their scores are computed)
     max_top_k: int             # the largest top_k (a host number: the top-k's width)
     max_routed_rows: int       # an upper bound of a pure request's rows (its generated part's length)
-    read_in_full: bool         # no request can be pure (each has more rows than its generated part) or routed:
-                               # the pass reads every key, unrouted, and only counts them
+    read_in_full: bool         # a pass that writes the cache where no request can be pure (each has more rows
+                               # than its generated part) or routed: it reads every key unrouted, only counting
     row_request: torch.Tensor  # [N] long: each query row's request
     prompt_rows: torch.Tensor  # [N] bool: the pass's rows in their request's prompt
     pure: torch.Tensor         # [B] bool: the pass has no prompt row of the request (it reads its prompt routed)
@@ -73,12 +73,13 @@ class PromptRouting:
     written: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False)  # and `written_chunks`
 
     @classmethod
-    def build(cls, prompt_lens: list[int], lengths: list[int], row_counts: list[int], budgets: list[float],
-              policies: list[str | None], row_request: torch.Tensor, positions: torch.Tensor, batch_row: torch.Tensor,
-              keys_read: torch.Tensor, keys_dense: torch.Tensor, constant) -> PromptRouting:
-        """Per request: prompt and sequence lengths, query rows in the pass, budget and policy; row_request,
-        positions [N]: each query row's request and position. `constant`: host list -> device tensor (the
-        runner's, which keeps repeating lists on the device)."""
+    def build(cls, prompt_lens: list[int], lengths: list[int], row_counts: list[int], writes_cache: bool,
+              budgets: list[float], policies: list[str | None], row_request: torch.Tensor, positions: torch.Tensor,
+              batch_row: torch.Tensor, keys_read: torch.Tensor, keys_dense: torch.Tensor, constant) -> PromptRouting:
+        """Per request: prompt and sequence lengths, query rows in the pass, budget and policy; whether the pass
+        writes the cache (a verify pass may hold two views of a position); row_request, positions [N]: each query
+        row's request and position. `constant`: host list -> device tensor (the runner's, which keeps repeating
+        lists on the device)."""
         top_k = [chunks_opened(length, budget) if policy else 0
                  for length, budget, policy in zip(prompt_lens, budgets, policies)]
         prompt_len = constant(prompt_lens)
@@ -87,8 +88,9 @@ class PromptRouting:
         return cls(prompt_len, constant(top_k), constant([POLICIES.index(p) if p else -1 for p in policies]),
                    tuple(sorted({p for p in policies if p}, key=POLICIES.index)), max(top_k),
                    max(length - prompt for length, prompt in zip(lengths, prompt_lens)),
-                   all(not policy or rows > length - prompt
-                       for policy, rows, length, prompt in zip(policies, row_counts, lengths, prompt_lens)),
+                   writes_cache and all(not policy or rows > length - prompt
+                                        for policy, rows, length, prompt in zip(policies, row_counts, lengths,
+                                                                                prompt_lens)),
                    row_request, prompt_rows, counts == 0, batch_row, keys_read, keys_dense)
 
     def leading(self, groups: int, rows: int) -> PromptRouting:

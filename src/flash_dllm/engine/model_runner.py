@@ -163,7 +163,7 @@ class ModelRunner:
             options.update(write_cache=False, hidden_keys=hidden_keys, self_visibility=visibility)
         groups = list(range(len(counts))) if order is None else order  # each group's batch row
         if any(batch.rows[b].params.kv_routing for b in groups):
-            options["routing"] = self._routing(batch, groups, rows, positions)
+            options["routing"] = self._routing(batch, groups, rows, positions, writes_cache=visibility is None)
         metadata = AttentionMetadata.build(rows, kv_start, kv_len, positions, max_kv, ordered=self.batch_invariant,
                                            **options)
         if kept is not None and any(kept):
@@ -172,11 +172,12 @@ class ModelRunner:
         ids = batch.tokens[request, column] if input_ids is None else input_ids[rows.request, rows.rank]
         return CachedPass(rows, request, column, ids, positions, metadata, tuple(batch.tokens.shape))
 
-    def _routing(self, batch: DecodeBatch, order: list[int], rows: FlatRows, positions: torch.Tensor) -> PromptRouting:
+    def _routing(self, batch: DecodeBatch, order: list[int], rows: FlatRows, positions: torch.Tensor,
+                 writes_cache: bool) -> PromptRouting:
         """The pass's routed prompts (batch rows `order`); the keys read are counted in the batch's counters."""
         requests = [batch.rows[b] for b in order]
         return PromptRouting.build([row.prompt_length for row in requests], [row.length for row in requests],
-                                   rows.counts, [row.params.kv_budget for row in requests],
+                                   rows.counts, writes_cache, [row.params.kv_budget for row in requests],
                                    [row.params.kv_routing for row in requests], rows.request, positions,
                                    self.constant(order), batch.counters.prompt_keys_read,
                                    batch.counters.prompt_keys_dense, self.constant)
