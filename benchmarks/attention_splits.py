@@ -11,27 +11,13 @@ import torch
 
 from flash_dllm.cache.attention_metadata import AttentionMetadata, cu_seqlens
 from flash_dllm.kernels.flash_attention import flash_attention, launch_config, num_splits
+from gemm_rows import timed_us  # benchmarks/: the CUDA-graph timing the benchmarks share
 
 HEADS, HEAD_DIM, REPLAYS = 32, 128, 50
 # (requests, query rows per request, keys per request, key mass)
 CASES = [(1, 144, 768, True), (1, 33, 768, False), (1, 128, 768, False), (1, 33, 8192, False),
          (1, 144, 8192, True), (1, 33, 32768, False), (1, 144, 32768, True), (8, 144, 8192, True),
          (32, 144, 768, True)]
-
-
-def timed_us(fn) -> float:
-    fn()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(REPLAYS):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / REPLAYS
 
 
 def main():
@@ -51,8 +37,8 @@ def main():
         key_mass = torch.zeros(requests, keys, device="cuda") if mass else None
         config = launch_config(rows, num_seqs=requests)
         splits = num_splits(requests * -(-rows // config["BLOCK_M"]) * HEADS, keys, config["BLOCK_N"], mass)
-        one = timed_us(lambda: flash_attention(q, k, v, table, key_mass, splits=1))
-        split = timed_us(lambda: flash_attention(q, k, v, table, key_mass))
+        one = timed_us(lambda: flash_attention(q, k, v, table, key_mass, splits=1), REPLAYS)
+        split = timed_us(lambda: flash_attention(q, k, v, table, key_mass), REPLAYS)
         a, b = flash_attention(q, k, v, table, splits=1).double(), flash_attention(q, k, v, table).double()
         floor = 2 * requests * keys * HEADS * HEAD_DIM * 2 / 4.25e12 * 1e6
         print(f"| {requests} | {rows} | {keys} | {mass} | {splits} | {one:.1f} | {split:.1f} | {one / split:.2f}x | "

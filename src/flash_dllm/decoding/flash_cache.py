@@ -66,12 +66,11 @@ def query_priority(batch: DecodeBatch, logit_sources=None,
     masked = (tokens == batch.mask_id) & (columns >= batch.gen_start)
     window = masked & (masked.cumsum(dim=1) <= batch.params.settings.mask_window)
     decoded = real & ~masked
-    if frozen_prompt is not None:
-        decoded = decoded & ~(frozen_prompt[:, None] & (columns < batch.gen_start))
     newly = decoded & (state.decoded_at == (batch.counters.steps - 1)[:, None])
     relative_mass = state.key_mass / (state.key_mass.amax(dim=1, keepdim=True) + 1e-30)  # in [0, 1]
     priority = torch.where(masked, 1.0 - columns / width, 2.0 + relative_mass)          # decoded above far masks
-    priority = torch.where(masked | decoded, priority, -1.0)                               # a frozen prompt last
+    if frozen_prompt is not None:  # a frozen prompt last (its positions are never decoded in a step)
+        priority = priority.masked_fill(frozen_prompt[:, None] & (columns < batch.gen_start), -1.0)
     priority = torch.where(newly, 3.5, priority)
     priority = torch.where(window, 5.0, priority)
     if logit_sources is not None:
@@ -115,8 +114,9 @@ class FlashCache(Parallel):
         device, counts = batch.tokens.device, list(plan.counts)
         width, lengths, max_q = batch.tokens.shape[1], batch.lengths, max(counts)
         shifted = runner.logit_sources if runner.logit_shift else None
-        frozen = runner.constant([row.params.routes_prompt for row in batch.rows])
-        chosen = torch.topk(query_priority(batch, shifted, frozen.bool()), max_q, dim=1).indices  # [B, Qmax]
+        routed = [row.params.routes_prompt for row in batch.rows]
+        frozen = runner.constant(routed).bool() if any(routed) else None  # no work on the step of a dense batch
+        chosen = torch.topk(query_priority(batch, shifted, frozen), max_q, dim=1).indices  # [B, Qmax]
         valid = torch.arange(max_q, device=device) < runner.constant(counts)[:, None]
         chosen = torch.where(valid, chosen, width).sort(dim=1).values                      # ascending, invalid last
         p = runner.prepare(batch, counts, chosen, track=runner.logit_sources(batch.tokens == batch.mask_id))
