@@ -7,6 +7,7 @@ Test items come from seeds disjoint from training's ("test-*" against "train-*")
 any prompt that appears in a test set.
 """
 import argparse
+import gzip
 import random
 from pathlib import Path
 
@@ -17,16 +18,19 @@ from llada_tokenizer import train_llada_tokenizer
 from flash_dllm.tasks import TASKS, generate
 
 VOCAB_SIZE = 1024
-CONTEXT = 2048
+CONTEXT = 8192
 ANSWER_TOKENS = 128  # generation length: solution, <|eot_id|>, then <|endoftext|> padding
 TEST_ITEMS = 500
-PASSKEY_TEST_LENGTHS = (256, 512, 1024, 1536, 1900)
+PASSKEY_TEST_LENGTHS = (256, 512, 1024, 1536, 1900)  # the first 500 items, as built for the 2,048-token model
+LONG_TEST_ITEMS = 100  # per length, from seeds of their own so that the items above stay as they were
+LONG_TEST_LENGTHS = {"passkey": (2048, 4096, 8000), "multikey": (512, 1024, 2048, 4096, 8000)}
 
 
 def corpus(num_items: int):
     rng = random.Random("tokenizer-corpus")
+    tasks = ("arith", "trace", "passkey")  # the shipped vocabulary's corpus (before multikey)
     for i in range(num_items):
-        task = TASKS[i % len(TASKS)]
+        task = tasks[i % len(tasks)]
         item = generate(task, rng, num_tokens=256) if task == "passkey" else generate(task, rng)
         yield item.prompt
         yield item.solution
@@ -36,18 +40,24 @@ def build_test_sets(out: Path, tokenizer):
     out.mkdir(parents=True, exist_ok=True)
     count = lambda text: len(tokenizer.encode(text).ids)
     for task in TASKS:
-        rng = random.Random(f"test-{task}")
         items, seen = [], set()
-        while len(items) < TEST_ITEMS:
-            if task == "passkey":
-                length = PASSKEY_TEST_LENGTHS[len(items) % len(PASSKEY_TEST_LENGTHS)]
-                item = generate(task, rng, num_tokens=length, count_tokens=count)
-            else:
-                item = generate(task, rng)
-            if item.prompt not in seen and count(item.solution) < ANSWER_TOKENS:
-                seen.add(item.prompt)
-                items.append(item)
-        (out / f"{task}.jsonl").write_text("".join(item.to_json() + "\n" for item in items))
+        if task != "multikey":
+            rng = random.Random(f"test-{task}")
+            while len(items) < TEST_ITEMS:
+                if task == "passkey":
+                    length = PASSKEY_TEST_LENGTHS[len(items) % len(PASSKEY_TEST_LENGTHS)]
+                    item = generate(task, rng, num_tokens=length, count_tokens=count)
+                else:
+                    item = generate(task, rng)
+                if item.prompt not in seen and count(item.solution) < ANSWER_TOKENS:
+                    seen.add(item.prompt)
+                    items.append(item)
+        for length in LONG_TEST_LENGTHS.get(task, ()):
+            rng = random.Random(f"test-{task}-{length}")
+            for _ in range(LONG_TEST_ITEMS):
+                items.append(generate(task, rng, num_tokens=length, count_tokens=count))
+        text = "".join(item.to_json() + "\n" for item in items).encode()
+        (out / f"{task}.jsonl.gz").write_bytes(gzip.compress(text, mtime=0))
 
 
 def main():

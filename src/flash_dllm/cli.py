@@ -11,6 +11,7 @@ from pathlib import Path
 from .decoding.registry import DEFAULT_METHOD, METHODS, method_of
 from .cache.routing import POLICIES
 from .sampling_params import SamplingParams, knobs
+from .tasks import RETRIEVAL_TASKS, TASKS
 
 
 def add_model_args(parser: argparse.ArgumentParser):
@@ -273,8 +274,11 @@ def cmd_demo(args):
     items = {}
     for task in args.tasks:
         test_set = load_test_set(task)
-        if task == "passkey":
-            test_set = [item for item in test_set if item.length == args.passkey_length]
+        if task in RETRIEVAL_TASKS:
+            test_set = [item for item in test_set if item.length == args.prompt_length]
+            if not test_set:
+                raise SystemExit(f"--prompt-length {args.prompt_length}: {task} has items of "
+                                 f"{', '.join(map(str, sorted({i.length for i in load_test_set(task)})))} tokens")
         items[task] = test_set[:args.items]
     rows, variants = [], demo_variants()
     for label in args.methods:
@@ -282,7 +286,7 @@ def cmd_demo(args):
         llm.generate(items[args.tasks[0]][0].prompt, params)  # warm-up: first-call allocations
         for task in args.tasks:
             r = run_task(llm, task, label, items[task], params)
-            rows.append((label, task + (f"@{args.passkey_length}" if task == "passkey" else ""), r.num_items,
+            rows.append((label, task + (f"@{args.prompt_length}" if task in RETRIEVAL_TASKS else ""), r.num_items,
                          f"{100 * r.accuracy:.1f}", f"{r.nfe:.1f}", f"{r.tokens_per_step:.2f}",
                          f"{r.query_rows_per_step:.0f}", f"{r.tokens_per_s:.1f}"))
             print(" | ".join(map(str, rows[-1])), file=sys.stderr, flush=True)
@@ -290,22 +294,24 @@ def cmd_demo(args):
                           "tokens/s"), rows))
 
 
-EVAL_TASKS = ("gsm8k", "math500", "humaneval", "mbpp", "arith", "trace", "passkey")
+EVAL_TASKS = ("gsm8k", "math500", "humaneval", "mbpp", "arith", "trace", "passkey", "multikey")
 
 
 def add_eval_args(parser: argparse.ArgumentParser):
     parser.add_argument("--task", required=True, choices=EVAL_TASKS)
     parser.add_argument("--data", help="mbpp: a local jsonl in the standard MBPP format (else the Hugging Face hub)")
     parser.add_argument("--limit", type=int, help="the first N items only")
-    parser.add_argument("--passkey-length", type=int, help="passkey: the items of this prompt length only")
+    parser.add_argument("--prompt-length", type=int,
+                        help="retrieval tasks (passkey, multikey): the items of this prompt length only")
     parser.add_argument("--batch-size", type=int, default=32, help="most requests decoded together")
     parser.add_argument("--no-chat-template", action="store_true", help="plain few-shot text prompts")
     parser.add_argument("--no-progress", action="store_true")
 
 
-def check_passkey_length(args):
-    if args.passkey_length is not None and args.task != "passkey":
-        raise SystemExit(f"--passkey-length selects passkey items; task {args.task!r} has none")
+def check_prompt_length(args):
+    if args.prompt_length is not None and args.task not in RETRIEVAL_TASKS:
+        raise SystemExit(f"--prompt-length selects the items of a retrieval task ({', '.join(RETRIEVAL_TASKS)}); "
+                         f"task {args.task!r} has none")
 
 
 def load_eval_llm(args, ctx):
@@ -322,13 +328,12 @@ def cmd_eval(args):
     if args.max_tokens is None:  # the field's generation length for the task
         args.max_tokens = get_benchmark(args.task).max_tokens
     params = sampling_params_from_args(args)
-    check_passkey_length(args)
+    check_prompt_length(args)
     ctx = init_from_env()
     try:
         llm = load_eval_llm(args, ctx)
         result = evaluate(llm, args.task, params, data=args.data, limit=args.limit, ctx=ctx,
-                          length=args.passkey_length,
-                          progress=not args.no_progress)
+                          length=args.prompt_length, progress=not args.no_progress)
         if ctx.is_main:
             if args.output:
                 write_result(result, args.output)
@@ -347,12 +352,12 @@ def cmd_sweep(args):
     max_tokens = args.max_tokens or get_benchmark(args.task).max_tokens
     points = grid(args.methods, values, max_tokens=max_tokens, block_length=args.block_length,
                   temperature=args.temperature, seed=args.seed)
-    check_passkey_length(args)
+    check_prompt_length(args)
     ctx = init_from_env()
     try:
         llm = load_eval_llm(args, ctx)
         rows = run_sweep(llm, args.task, points, args.out_dir, data=args.data, limit=args.limit, ctx=ctx,
-                         progress=not args.no_progress, length=args.passkey_length)
+                         progress=not args.no_progress, length=args.prompt_length)
         if ctx.is_main:
             print((Path(args.out_dir) / "sweep.md").read_text())
             print(f"{len(rows)} points: wrote {args.out_dir}/sweep.png, sweep.md, sweep.json and points/",
@@ -421,9 +426,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="every decoding method on held-out items of the embedded tasks")
     add_model_args(demo)
     demo.add_argument("--items", type=int, default=2, help="held-out items per task")
-    demo.add_argument("--tasks", nargs="+", default=["arith", "trace", "passkey"], choices=["arith", "trace", "passkey"])
+    demo.add_argument("--tasks", nargs="+", default=["arith", "trace", "passkey"], choices=list(TASKS))
     demo.add_argument("--methods", nargs="+", default=list(demo_variants()), choices=list(demo_variants()))
-    demo.add_argument("--passkey-length", type=int, default=256, choices=[256, 512, 1024, 1536, 1900])
+    demo.add_argument("--prompt-length", type=int, default=256, help="retrieval tasks: the items of this length")
     demo.add_argument("--max-tokens", type=int, default=128)
     demo.add_argument("--block-length", type=int, default=32)
     demo.add_argument("--batch-size", type=int, default=32)

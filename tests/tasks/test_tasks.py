@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from flash_dllm.tasks import TASKS, Item, extract_answer, generate, is_correct, load_test_set
+from flash_dllm.tasks import RETRIEVAL_TASKS, TASKS, Item, extract_answer, generate, is_correct, load_test_set
 
 
 @pytest.mark.parametrize("task", TASKS)
@@ -18,14 +18,25 @@ def test_generators_are_seeded_and_consistent(task):
         assert is_correct(item, item.solution)
 
 
+LENGTHS = {"passkey": {256, 512, 1024, 1536, 1900, 2048, 4096, 8000}, "multikey": {512, 1024, 2048, 4096, 8000}}
+
+
 @pytest.mark.parametrize("task", TASKS)
 def test_test_sets(task):
     items = load_test_set(task)
     assert len(items) >= 500
     assert len({item.prompt for item in items}) == len(items)
     assert all(is_correct(item, item.solution) for item in items)
-    if task == "passkey":
-        assert {item.length for item in items} == {256, 512, 1024, 1536, 1900}
+    if task in RETRIEVAL_TASKS:
+        assert {item.length for item in items} == LENGTHS[task]
+        assert all(sum(item.length == length for item in items) >= 100 for length in LENGTHS[task])
+
+
+def test_multikey_asks_for_one_of_several_labelled_keys():
+    for item in load_test_set("multikey")[:50]:
+        label = item.prompt.rsplit("What is the ", 1)[1].split(" door key?")[0]
+        assert f"The {label} door key is {item.answer}." in item.prompt
+        assert item.prompt.count(" door key is ") >= 2  # the others are distractors of the same form
 
 
 def test_trace_answers_are_what_python_prints():

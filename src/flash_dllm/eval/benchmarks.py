@@ -66,14 +66,14 @@ class Benchmark:
 
     def examples(self, chat: bool, path: str | None = None, limit: int | None = None,
                  length: int | None = None) -> list[Example]:
-        """length: the embedded passkey task's items of that prompt length only."""
+        """length: an embedded retrieval task's items of that prompt length only."""
         if path is not None and not self.takes_data:
             raise ValueError(f"{self.name} reads its pinned data set; a data file applies to mbpp only")
         docs = self.load(path)
         if length is not None:
             lengths = sorted({doc.get("length") for doc in docs} - {None})
             if length not in lengths:
-                raise ValueError(f"--passkey-length {length}: {self.name} has items of "
+                raise ValueError(f"--prompt-length {length}: {self.name} has items of "
                                  f"{', '.join(map(str, lengths)) or 'no set'} tokens")
             docs = [doc for doc in docs if doc.get("length") == length]
         docs = docs[:limit]
@@ -183,7 +183,8 @@ class MBPP(CodeBenchmark):
 
 
 class Embedded(Benchmark):
-    """A task of the embedded model (arith, trace, passkey): its held-out test set and checker, zero-shot."""
+    """A task of the embedded model (arith, trace, passkey, multikey): its held-out test set and checker,
+    zero-shot."""
     max_tokens = 128
 
     def __init__(self, name: str):

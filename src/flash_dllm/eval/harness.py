@@ -28,8 +28,8 @@ def evaluate(llm, task: str, params: SamplingParams, *, data: str | None = None,
              length: int | None = None) -> EvalResult:
     """Decode and score `task` with one method; under torch.distributed each rank takes a shard and every
     rank returns the merged result. Tokens/s counts generated tokens up to the first eos/eot over the wall
-    time of generation (no warm-up, no scoring); across ranks, over the slowest rank's time. length: the
-    passkey items of that prompt length only."""
+    time of generation (no warm-up, no scoring); across ranks, over the slowest rank's time. length: a
+    retrieval task's items of that prompt length only."""
     benchmark = get_benchmark(task)
     chat, batch_size = llm.use_chat_template, llm.engine.scheduler.max_batch_size
     examples = shard(benchmark.examples(chat, data, limit, length), ctx)
