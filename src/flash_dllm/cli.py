@@ -268,7 +268,7 @@ def demo_variants() -> dict[str, dict]:
 def cmd_demo(args):
     from .markdown import markdown_table
     from .eval.embedded import run_task
-    from .tasks import load_test_set
+    from .tasks import answer_length, load_test_set
 
     llm = llm_from_args(args, max_batch_size=args.batch_size)
     items = {}
@@ -282,10 +282,12 @@ def cmd_demo(args):
         items[task] = test_set[:args.items]
     rows, variants = [], demo_variants()
     for label in args.methods:
-        params = SamplingParams(max_tokens=args.max_tokens, block_length=args.block_length, **variants[label])
-        llm.generate(items[args.tasks[0]][0].prompt, params)  # warm-up: first-call allocations
+        params = {task: SamplingParams(max_tokens=args.max_tokens or answer_length(task),
+                                       block_length=args.block_length, **variants[label]) for task in args.tasks}
+        warmup = SamplingParams(max_tokens=args.block_length, block_length=args.block_length, **variants[label])
+        llm.generate(items[args.tasks[0]][0].prompt, warmup)  # first-call allocations; one block is enough
         for task in args.tasks:
-            r = run_task(llm, task, label, items[task], params)
+            r = run_task(llm, task, label, items[task], params[task])
             rows.append((label, task + (f"@{args.prompt_length}" if task in RETRIEVAL_TASKS else ""), r.num_items,
                          f"{100 * r.accuracy:.1f}", f"{r.nfe:.1f}", f"{r.tokens_per_step:.2f}",
                          f"{r.query_rows_per_step:.0f}", f"{r.tokens_per_s:.1f}"))
@@ -425,11 +427,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="every decoding method on held-out items of the embedded tasks")
     add_model_args(demo)
-    demo.add_argument("--items", type=int, default=2, help="held-out items per task")
+    demo.add_argument("--items", type=int, default=1, help="held-out items per task")
     demo.add_argument("--tasks", nargs="+", default=["arith", "trace", "passkey"], choices=list(TASKS))
     demo.add_argument("--methods", nargs="+", default=list(demo_variants()), choices=list(demo_variants()))
     demo.add_argument("--prompt-length", type=int, default=256, help="retrieval tasks: the items of this length")
-    demo.add_argument("--max-tokens", type=int, default=128)
+    demo.add_argument("--max-tokens", type=int, help="generation length (default: the task's, passkey and multikey 32, "
+                      "arith and trace 128)")
     demo.add_argument("--block-length", type=int, default=32)
     demo.add_argument("--batch-size", type=int, default=32)
     demo.set_defaults(func=cmd_demo)

@@ -185,10 +185,10 @@ class MBPP(CodeBenchmark):
 class Embedded(Benchmark):
     """A task of the embedded model (arith, trace, passkey, multikey): its held-out test set and checker,
     zero-shot."""
-    max_tokens = 128
 
     def __init__(self, name: str):
         self.name = name
+        self.max_tokens = embedded.answer_length(name)
 
     def load(self, path):
         return [asdict(item) for item in embedded.load_test_set(self.name)]

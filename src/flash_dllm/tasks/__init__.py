@@ -31,6 +31,12 @@ GENERATORS = {"arith": arith.make_item, "trace": trace.make_item, "passkey": pas
               "multikey": multikey.make_item}
 TASKS = tuple(GENERATORS)
 RETRIEVAL_TASKS = ("passkey", "multikey")  # long prompts of a given length; the answer is a key, as a string
+
+
+def answer_length(task: str) -> int:
+    """Generation length that holds any worked solution of the task: a retrieval answer is one short sentence
+    (about 20 tokens), arith and trace solutions run to about 100."""
+    return 32 if task in RETRIEVAL_TASKS else 128
 _ANSWER = re.compile(r"####\s*(-?[\d,]*\.?\d+)")
 
 
