@@ -54,13 +54,14 @@ def init_worker(tokenizer_path: str):
     WORKER["held_out"] = frozenset(item.prompt for task in TASKS for item in load_test_set(task))
 
 
-def make_chunk(seed: int, short_items: int, retrieval_tokens: int, arith_share: float, multikey_share: float):
+def make_chunk(seed: int, short_items: int, retrieval_tokens: int, retrieval_lengths: tuple[int, int],
+               arith_share: float, multikey_share: float):
     """One chunk of training data: token ids of `short_items` arith/trace items and of about
     `retrieval_tokens` tokens of passkey or multikey items of one length. Runs in a worker process."""
     tokenizer, held_out = WORKER["tokenizer"], WORKER["held_out"]
     count = lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids)
     rng = random.Random(f"train-{seed}")
-    length = rng.randint(128, MAX_RETRIEVAL)
+    length = rng.randint(*retrieval_lengths)
     retrieval = "multikey" if rng.random() < multikey_share else "passkey"
     items = [generate("arith" if rng.random() < arith_share else "trace", rng) for _ in range(short_items)]
     items += [generate(retrieval, rng, num_tokens=length, count_tokens=count)
@@ -118,6 +119,8 @@ def main():
     parser.add_argument("--arith-share", type=float, default=0.5, help="fraction of arith among the short items")
     parser.add_argument("--multikey-share", type=float, default=0.5,
                         help="fraction of multikey among the retrieval micro-batches")
+    parser.add_argument("--retrieval-lengths", type=int, nargs=2, default=(128, MAX_RETRIEVAL), metavar=("LOW", "HIGH"),
+                        help="retrieval prompts' lengths in tokens, uniform in [LOW, HIGH] (a curriculum starts short)")
     parser.add_argument("--workers", type=int, default=12)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda")
@@ -149,7 +152,10 @@ def main():
     print(f"parameters: {num_params:,}", flush=True)
 
     pool = mp.get_context("spawn").Pool(args.workers, init_worker, (str(args.assets / "tokenizer.json"),))
-    chunk_args = (args.short_batch + 16, args.retrieval_tokens, args.arith_share, args.multikey_share)
+    if not 0 < args.retrieval_lengths[0] <= args.retrieval_lengths[1] <= MAX_RETRIEVAL:
+        parser.error(f"--retrieval-lengths must satisfy 0 < LOW <= HIGH <= {MAX_RETRIEVAL}")
+    chunk_args = (args.short_batch + 16, args.retrieval_tokens, tuple(args.retrieval_lengths), args.arith_share,
+                  args.multikey_share)
     next_seed = args.seed * 10**6
     pending = collections.deque()
     while len(pending) < 2 * args.workers:

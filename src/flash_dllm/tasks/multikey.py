@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import random
 
-from .passkey import DISTRACTORS, FILLER, default_token_count
+from .passkey import default_token_count, filler
 
 LABELS = ["red", "blue", "green", "yellow", "black", "white", "silver", "golden", "wooden", "iron", "glass",
           "stone"]
@@ -21,17 +21,7 @@ def make_item(rng: random.Random, num_tokens: int = 512, count_tokens=default_to
     needles = [f"The {label} door key is {key}." for label, key in zip(labels, keys)]
     asked = rng.randrange(len(labels))
     question = f"What is the {labels[asked]} door key?"
-    budget = num_tokens - count_tokens(" ".join([HEAD, *needles, question]))
-    sentences: list[str] = []
-    while True:
-        if rng.random() < 0.04:
-            sentence = rng.choice(DISTRACTORS).format(rng.randint(10000, 99999))
-        else:
-            sentence = rng.choice(FILLER)
-        budget -= count_tokens(" " + sentence)
-        if budget < 0:
-            break
-        sentences.append(sentence)
+    sentences = filler(rng, num_tokens - count_tokens(" ".join([HEAD, *needles, question])), count_tokens)
     for needle in needles:
         sentences.insert(rng.randint(0, len(sentences)), needle)
     prompt = f"{HEAD} {' '.join(sentences)} {question}"
