@@ -23,7 +23,7 @@ def test_embedded_default_model_generates():
     llm = LLM(device="cpu")
     out = llm.generate("What is 3 + 4?", SamplingParams(max_tokens=16, block_length=8))[0]
     assert isinstance(out.text, str) and out.steps > 0 and out.nfe == out.steps
-    assert llm.use_chat_template and llm.config.max_position >= 2048
+    assert llm.use_chat_template and llm.config.max_position >= 8192
 
 
 def test_prompt_kinds_agree(llm):

@@ -151,7 +151,7 @@ BAD_REQUESTS = [
     ("/v1/completions", b'{"prompt": "\\ud800"}', "not valid UTF-8"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}]}', "not valid UTF-8"),
     ("/v1/completions", {"max_tokens": 32}, "prompt"),
-    ("/v1/completions", {"prompt": [5] * 3000}, "exceed the model's context"),
+    ("/v1/completions", {"prompt": [5] * 9000}, "exceed the model's context"),  # context: 8,192
     ("/v1/chat/completions", {"messages": []}, "messages is empty"),
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, "role"),
     ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "content"),
