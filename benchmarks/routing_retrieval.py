@@ -13,7 +13,7 @@ from flash_dllm import LLM, SamplingParams
 from flash_dllm.cache.routing import POLICIES
 from flash_dllm.eval.harness import wilson_interval
 from flash_dllm.markdown import markdown_table
-from flash_dllm.tasks import RETRIEVAL_TASKS, is_correct, load_test_set
+from flash_dllm.tasks import RETRIEVAL_TASKS, answer_length, is_correct, load_test_set
 
 
 def main():
@@ -33,8 +33,8 @@ def main():
     for length in args.lengths:
         items = [item for item in load_test_set(args.task) if item.length == length][:args.items]
         for policy in (None if name == "dense" else name for name in args.policies):
-            params = SamplingParams(method=args.method, max_tokens=32, block_length=32, threshold=1.0,
-                                    kv_routing=policy, kv_budget=args.budget)
+            params = SamplingParams(method=args.method, max_tokens=answer_length(args.task), block_length=32,
+                                    threshold=1.0, kv_routing=policy, kv_budget=args.budget)
             outputs = llm.generate([item.prompt for item in items], params, use_tqdm=False)
             correct = sum(is_correct(item, out.text or "") for item, out in zip(items, outputs))
             low, high = wilson_interval(correct, len(items))

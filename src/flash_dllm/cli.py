@@ -275,10 +275,11 @@ def cmd_demo(args):
     for task in args.tasks:
         test_set = load_test_set(task)
         if task in RETRIEVAL_TASKS:
-            test_set = [item for item in test_set if item.length == args.prompt_length]
-            if not test_set:
+            lengths = sorted({item.length for item in test_set})
+            if args.prompt_length not in lengths:
                 raise SystemExit(f"--prompt-length {args.prompt_length}: {task} has items of "
-                                 f"{', '.join(map(str, sorted({i.length for i in load_test_set(task)})))} tokens")
+                                 f"{', '.join(map(str, lengths))} tokens")
+            test_set = [item for item in test_set if item.length == args.prompt_length]
         items[task] = test_set[:args.items]
     rows, variants = [], demo_variants()
     for label in args.methods:

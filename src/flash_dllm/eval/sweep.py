@@ -46,8 +46,8 @@ def pareto_front(rows: list[dict]) -> list[bool]:
 def run_sweep(llm, task: str, points: list[SweepPoint], out_dir: str | Path, *, data: str | None = None,
               limit: int | None = None, ctx: DistContext = DistContext(), progress: bool = True,
               length: int | None = None) -> list[dict]:
-    """Evaluate every point on the same items (length: a retrieval task's items of that prompt length); rank 0 writes each
-    point's results, the table and the plot."""
+    """Evaluate every point on the same items (length: a retrieval task's items of that prompt length); rank 0
+    writes each point's results, the table and the plot."""
     out_dir = Path(out_dir)
     rows = []
     for number, point in enumerate(points):

@@ -37,6 +37,8 @@ def answer_length(task: str) -> int:
     """Generation length that holds any worked solution of the task: a retrieval answer is one short sentence
     (about 20 tokens), arith and trace solutions run to about 100."""
     return 32 if task in RETRIEVAL_TASKS else 128
+
+
 _ANSWER = re.compile(r"####\s*(-?[\d,]*\.?\d+)")
 
 
