@@ -38,10 +38,18 @@ def test_decodes_held_out_passkey_items(llm, length):
     assert all(is_correct(item, out.text) for item, out in zip(items, outs))
 
 
+def test_decodes_held_out_multikey_items(llm):
+    """Multi-key retrieval (the asked label's key among 2-6 labelled keys): 90% at 512 tokens (CPU), 88% at
+    2,048 and 78% at 8,000 (H200), 50 items each, run 9; here 8 items at 512."""
+    items = [item for item in load_test_set("multikey") if item.length == 512][:8]
+    outs = llm.generate([item.prompt for item in items], SamplingParams(method="parallel", max_tokens=32))
+    assert sum(is_correct(item, out.text) for item, out in zip(items, outs)) >= 6
+
+
 @pytest.mark.parametrize("task", ["arith", "trace"])
 def test_decodes_held_out_items_one_token_per_step(llm, task):
-    """Dual-cache solves 96% of arith and of trace on the H200 (200 items each, run 7); here the reference
-    decoder on the first 8."""
+    """Dual-cache solves 96% of arith and of trace (200 items each, run 9, as run 7); here the reference decoder
+    on the first 8."""
     items = load_test_set(task)[:8]
     outs = llm.generate([item.prompt for item in items],
                         SamplingParams(method="reference", max_tokens=128, block_length=32))

@@ -19,8 +19,9 @@ class SamplingParams:
     block_length: semi-autoregressive block size; blocks are decoded left to right (a method without
         blocks, elastic, ignores it).
     temperature: 0 is greedy; > 0 samples with Gumbel-max noise in float64, reproducible per `seed`.
-    kv_routing: None (dense) or how a cached method reads the prompt's KV: "chunk", "centroid", "window" or
-        "random" (cache/routing.py); only the prompt's chunks that the step's queries may need are read.
+    kv_routing: None (dense) or how a cached method reads the prompt's KV: "chunk", "centroid", "kmeans",
+        "window" or "random" (cache/routing.py); only the prompt's regions that the step's queries may need are
+        read.
     kv_budget: with kv_routing, the fraction of the prompt's keys each step reads, in (0, 1] (sinks and the
         recent window included; 1 reads every chunk). Under 1, Flash-Cache and Flash-Verify stop recomputing
         prompt positions after the first pass (decoding/flash_cache.py).

@@ -9,19 +9,22 @@ import torch
 from flash_dllm import LLM, SamplingParams
 from types import SimpleNamespace
 
-from flash_dllm.cache.routing import (CHUNK, POLICIES, SINKS, WINDOW, PromptRouting, chunks_opened, summarise,
-                                      visible_keys)
+from flash_dllm.cache.regions import kmeans_assignment, region_summaries
+from flash_dllm.cache.routing import (CHUNK, POLICIES, SINKS, WINDOW, PromptRouting, chunks_opened, route,
+                                      summarise, update_kmeans, visible_keys)
 
 B, K, HKV, GROUP, D = 3, 300, 2, 2, 8
 PROMPT = [260, 260, 200]
 
 
-def routing_of(policies, budget=0.125, positions=None):
-    """A pass of 4 query rows per request at positions past its prompt (unless `positions` says otherwise)."""
-    rows = torch.arange(B).repeat_interleave(4)
+def routing_of(policies, budget=0.125, positions=None, counts=None):
+    """A pass of 4 query rows per request at positions past its prompt (unless `positions` and the rows per
+    request `counts` say otherwise)."""
+    counts = counts or [4] * B
+    rows = torch.arange(B).repeat_interleave(torch.tensor(counts))
     positions = torch.tensor(PROMPT).repeat_interleave(4) if positions is None else positions
     counters = torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.long)
-    return PromptRouting.build(PROMPT, [p + 40 for p in PROMPT], [4] * B, True, [budget] * B, policies, rows,
+    return PromptRouting.build(PROMPT, [p + 40 for p in PROMPT], counts, True, [budget] * B, policies, rows,
                                positions, torch.arange(B), *counters, lambda values: torch.tensor(values))
 
 
@@ -49,7 +52,7 @@ def test_the_budget_counts_sinks_and_window_in_whole_chunks():
     assert chunks_opened(1000, 1.0) == -(-1000 // CHUNK)  # every chunk: the dense attention
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", [p for p in POLICIES if p != "kmeans"])
 def test_each_head_reads_sinks_window_generated_keys_and_its_top_chunks(policy):
     visible, key_valid, routing = step([policy] * B, budget=0.5)
     position = torch.arange(K)
@@ -76,6 +79,85 @@ def test_chunk_scores_find_the_needle_and_the_controls_do_not():
     assert not opened("window").any()
 
 
+SPAN = 320  # each request's cache range in the k-means passes (a multiple of CHUNK)
+
+
+def kmeans_pass(k_cache, state, policies, budget, counts=None, positions=None, q=None):
+    """One pass over the flat cache k_cache [B * SPAN + 1, HKV, D] (requests at multiples of SPAN, the last row a
+    scratch): 4 rows per request past its prompt, or `counts` rows at `positions` (a full pass: every position);
+    it writes nothing new, updates the k-means regions `state` and returns the keys read [B, HKV, K]."""
+    routing = routing_of(policies, budget, positions, counts)
+    counts = counts or [4] * B
+    starts = torch.arange(B) * SPAN
+    kv_len = torch.tensor([p + 40 for p in PROMPT])
+    positions = routing.row_request * 0 + torch.tensor(PROMPT)[routing.row_request] if positions is None else positions
+    metadata = SimpleNamespace(cu_seqlens_q=torch.tensor([0, *counts]).cumsum(0), max_q=max(counts), max_kv=K,
+                               kv_len=kv_len, kv_start=starts, write_cache=True, routing=routing,
+                               slot_mapping=starts[routing.row_request] + positions)
+    update_kmeans(k_cache, *state, metadata)
+    if q is None:
+        q = torch.randn(sum(counts), HKV * GROUP, D, generator=torch.Generator().manual_seed(1))
+    return route(q, k_cache, metadata, 0, kmeans=state) if not routing.read_in_full else None, routing
+
+
+def kmeans_cache():
+    """Random keys in the flat layout, and an empty k-means state beside them (KVCache.kmeans_regions')."""
+    g = torch.Generator().manual_seed(2)
+    k_cache = torch.randn(B * SPAN + 1, HKV, D, generator=g)
+    summaries = torch.zeros(B * SPAN // CHUNK + 1, 3, HKV, D)
+    return k_cache, (summaries, torch.full((B * SPAN + 1, HKV), -1, dtype=torch.int32))
+
+
+def full_pass(k_cache, state):
+    lengths = [p + 40 for p in PROMPT]
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    return kmeans_pass(k_cache, state, ["kmeans"] * B, 0.25, counts=lengths, positions=positions)
+
+
+def test_kmeans_regions_are_built_by_a_full_pass_and_widened_by_rewritten_prompt_keys():
+    k_cache, state = kmeans_cache()
+    summaries, key_region = state
+    _, routing = full_pass(k_cache, state)
+    assert routing.any_rebuild and routing.read_in_full
+    for b, prompt in enumerate(PROMPT):
+        rows = slice(b * SPAN, b * SPAN + K)
+        keys = k_cache[rows].transpose(0, 1)                                                # [HKV, K, D]
+        routable = (torch.arange(K) >= SINKS) & (torch.arange(K) < prompt - WINDOW)
+        assign = kmeans_assignment(keys, CHUNK, routable.expand(HKV, K))
+        assert torch.equal(key_region[b * SPAN:b * SPAN + prompt + 40].T.long(), assign[:, :prompt + 40])
+        centroids, lower, upper, sizes = region_summaries(keys, assign, -(-K // CHUNK))
+        stored = summaries[b * SPAN // CHUNK:(b + 1) * SPAN // CHUNK][:len(sizes[0])]       # [C, 3, HKV, D]
+        filled = sizes.T > 0
+        torch.testing.assert_close(stored[:, 0][filled], lower.transpose(0, 1)[filled])
+        torch.testing.assert_close(stored[:, 2][filled], centroids.transpose(0, 1)[filled])
+        assert sizes.sum(dim=1).tolist() == [prompt - SINKS - WINDOW] * HKV
+    # a pass that rewrites one prompt key (a tracked row) widens its regions' bounds, the members unchanged
+    before = key_region.clone()
+    k_cache[SPAN + 100] = 50.0
+    positions = torch.tensor([PROMPT[0]] * 4 + [100] + [PROMPT[1]] * 3 + [PROMPT[2]] * 4)
+    kmeans_pass(k_cache, state, ["kmeans"] * B, 0.25, positions=positions)
+    assert torch.equal(key_region, before)
+    for h in range(HKV):
+        region = key_region[SPAN + 100, h]
+        assert (summaries[SPAN // CHUNK + region, 1, h] == 50.0).all()
+
+
+def test_kmeans_opens_the_best_regions_within_the_budget():
+    k_cache, state = kmeans_cache()
+    k_cache[SPAN + 100:SPAN + 164:2] = 3.0  # a needle of 32 keys, not contiguous: one region holds them
+    full_pass(k_cache, state)
+    q = torch.randn(4 * B, HKV * GROUP, D, generator=torch.Generator().manual_seed(1)).abs()
+    visible, routing = kmeans_pass(k_cache, state, ["kmeans"] * B, 0.5, q=q)
+    assert visible[1][:, 100:164:2].all()  # the needle's region is opened for every head
+    position = torch.arange(K)
+    for b, prompt in enumerate(PROMPT):
+        routed = visible[b][:, (position >= SINKS) & (position < prompt - WINDOW)].sum(dim=1)
+        budget = chunks_opened(prompt, 0.5) * CHUNK
+        assert (routed > 0).all() and (routed <= budget).all()
+        assert visible[b][:, prompt:prompt + 40].all() and not visible[b][:, prompt + 40:].any()
+    assert (routing.keys_read < routing.keys_dense).all()
+
+
 def test_dense_requests_and_passes_with_prompt_rows_read_everything():
     visible, key_valid, routing = step(["chunk", None, "chunk"])
     assert torch.equal(visible[1], key_valid[1].expand(HKV, K))
@@ -98,24 +180,28 @@ CACHED = [dict(method="prefix-cache"), dict(method="dual-cache"), dict(method="f
           dict(method="elastic", mask_window=8)]
 
 
-@pytest.mark.parametrize("knobs", CACHED, ids=lambda k: k["method"])
-def test_a_budget_of_one_is_the_dense_attention(gqa_checkpoint, knobs):
+@pytest.mark.parametrize("knobs, policy", [(knobs, "chunk") for knobs in CACHED] + [(CACHED[1], "kmeans"),
+                                                                                    (CACHED[2], "kmeans")],
+                         ids=lambda k: k["method"] if isinstance(k, dict) else k)
+def test_a_budget_of_one_is_the_dense_attention(gqa_checkpoint, knobs, policy):
     llm = LLM(gqa_checkpoint, device="cpu", dtype="float32")
     params = dict(max_tokens=16, block_length=8, threshold=1.0, **knobs)
     dense = llm.generate(prompts(), SamplingParams(**params), use_tqdm=False)
-    routed = llm.generate(prompts(), SamplingParams(kv_routing="chunk", kv_budget=1.0, **params), use_tqdm=False)
+    routed = llm.generate(prompts(), SamplingParams(kv_routing=policy, kv_budget=1.0, **params), use_tqdm=False)
     assert [o.token_ids for o in routed] == [o.token_ids for o in dense]
     assert all(o.prompt_kv_read == 1.0 for o in routed) and all(o.prompt_kv_read is None for o in dense)
 
 
-@pytest.mark.parametrize("knobs", [CACHED[1], CACHED[3], CACHED[4]], ids=lambda k: k["method"])
-def test_a_small_budget_reads_less_and_the_kernels_route_as_the_reference(gqa_checkpoint, knobs):
+@pytest.mark.parametrize("knobs, policy", [(CACHED[1], "chunk"), (CACHED[3], "chunk"), (CACHED[4], "chunk"),
+                                           (CACHED[1], "kmeans")],
+                         ids=lambda k: k["method"] if isinstance(k, dict) else k)
+def test_a_small_budget_reads_less_and_the_kernels_route_as_the_reference(gqa_checkpoint, knobs, policy):
     """The kernel path routes from the chunk summaries kept beside the cache (rewritten where a pass writes
     prompt keys) and visits only the listed key tiles: the same tokens and keys read as the reference's routing
     from the cache. Dual-cache (full and block passes), Flash-Verify (a Flash-Cache draft pass and the verify
     pass, which writes no cache) and Elastic-Cache (refresh passes over some layers): the interpreted kernels
     are slow on the CPU."""
-    params = SamplingParams(max_tokens=8, block_length=8, threshold=1.0, kv_routing="chunk", kv_budget=0.5,
+    params = SamplingParams(max_tokens=8, block_length=8, threshold=1.0, kv_routing=policy, kv_budget=0.5,
                             **knobs)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # on the CPU the kernels run interpreted (conftest)
     outputs = {kernels: LLM(gqa_checkpoint, device=device, dtype="float32", kernels=kernels).generate(

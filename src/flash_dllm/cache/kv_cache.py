@@ -37,6 +37,7 @@ class KVCache:
         self._hidden_shape = (num_rows + 1, cfg.hidden_size)
         self._hidden: list[torch.Tensor] | None = None
         self._summaries: list[torch.Tensor] | None = None
+        self._kmeans: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
 
     def chunk_summaries(self, chunk: int) -> list[torch.Tensor]:
         """Per layer [rows / chunk (rounded up), 3, kv_heads, head_dim]: the lower bounds, upper bounds and mean of
@@ -48,6 +49,19 @@ class KVCache:
             self._summaries = [torch.zeros(shape, dtype=k.dtype, device=k.device) for _ in self.k]
         return self._summaries
 
+    def kmeans_regions(self, chunk: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The k-means regions of routed prompts (cache/routing.py's `kmeans` policy), allocated at first use:
+        per layer [rows / chunk (rounded up) + 1, 3, kv_heads, head_dim]: the lower bounds, upper bounds and mean
+        of each region's keys, region r of the request whose range starts at row s kept at s / chunk + r (the
+        last entry: a scratch that no region owns); and [num_rows + 1, kv_heads] int32: each key's region (-1:
+        none)."""
+        if self._kmeans is None:
+            k = self.k[0]
+            shape = (-(-k.shape[0] // chunk) + 1, 3, *k.shape[1:])
+            self._kmeans = ([torch.zeros(shape, dtype=k.dtype, device=k.device) for _ in self.k],
+                            [torch.full(k.shape[:2], -1, dtype=torch.int32, device=k.device) for _ in self.k])
+        return self._kmeans
+
     def hidden_states(self) -> list[torch.Tensor]:
         if self._hidden is None:
             k = self.k[0]
@@ -56,8 +70,8 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes allocated: K, V, and the hidden states and chunk summaries if allocated."""
-        extra = [*(self._hidden or []), *(self._summaries or [])]
+        """Bytes allocated: K, V, and the hidden states, chunk summaries and k-means regions if allocated."""
+        extra = [*(self._hidden or []), *(self._summaries or []), *(t for part in self._kmeans or () for t in part)]
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v, *extra))
 
     @staticmethod

@@ -5,13 +5,12 @@ regions, each summarised by a centroid; a step scores the centroids with its que
 regions, plus the attention sinks (the prompt's first tokens) and a recent window (its last). Two groupings:
     chunk   contiguous runs of `size` positions: centroid = the mean key, with per-dimension bounds (an upper
             bound of any key's score in the chunk, as Quest scores pages);
-    kmeans  spherical k-means of the mean-centred keys, about `size` keys a cluster, started from the farthest
-            directions and run a few iterations; its centroid is the mean raw key of the cluster, with the
-            cluster's bounds.
+    kmeans  spherical k-means of the mean-centred keys, about `size` keys a cluster, seeded farthest-first and run
+            a few iterations; its centroid is the mean raw key of the cluster, with the cluster's bounds
+            (cache/routing.py's `kmeans` policy builds these regions when a pass writes a prompt's keys).
 A region is scored by its centroid or by its bounds.
 Each grouping also gives the positions in region order (`order`, with `starts`): a kernel that reads a region
-reads one contiguous range of it. Everything here is plain PyTorch on the device (no host reads); the
-attention that reads only the chosen regions is the next piece.
+reads one contiguous range of it. Everything here is plain PyTorch on the device (no host reads).
 """
 from __future__ import annotations
 
@@ -50,12 +49,14 @@ def chunk_regions(keys: torch.Tensor, size: int) -> Regions:
     return Regions(centroids, lower, upper, torch.arange(P, device=keys.device).expand(G, P).contiguous(), starts)
 
 
-def farthest_directions(directions: torch.Tensor, count: int) -> torch.Tensor:
-    """directions [G, P, D] (unit rows) -> [G, count, D]: the first row, then each time the row least similar to
-    those taken (a deterministic k-means++). count sequential steps: the first version's cost at long prompts."""
+def farthest_directions(directions: torch.Tensor, valid: torch.Tensor, count: int) -> torch.Tensor:
+    """directions [G, P, D] (unit rows) -> [G, count, D]: the first valid row, then each time the valid row least
+    similar to those taken (a deterministic k-means++). `count` sequential steps: the cost of a rebuild at long
+    prompts (a parallel split into halves took duplicate seeds, and k-means kept two clusters merged)."""
     G, P, D = directions.shape
-    taken = directions[:, :1]
-    nearest = (directions @ taken.transpose(1, 2))[..., 0]                                 # [G, P]
+    first = valid.long().argmax(dim=1)
+    taken = directions.gather(1, first[:, None, None].expand(G, 1, D))
+    nearest = (directions @ taken.transpose(1, 2))[..., 0].masked_fill(~valid, float("inf"))  # [G, P]
     for _ in range(1, count):
         pick = directions.gather(1, nearest.argmin(dim=1)[:, None, None].expand(G, 1, D))
         taken = torch.cat([taken, pick], dim=1)
@@ -63,30 +64,55 @@ def farthest_directions(directions: torch.Tensor, count: int) -> torch.Tensor:
     return taken
 
 
-def kmeans_regions(keys: torch.Tensor, size: int, iterations: int = 4) -> Regions:
-    """keys [G, P, D] -> about P / size clusters per group by spherical k-means on the mean-centred keys (cosine
-    assignment), started from the farthest directions, so that the result is deterministic. A cluster that
-    empties keeps its previous direction (and is an empty region)."""
+def kmeans_assignment(keys: torch.Tensor, size: int, valid: torch.Tensor | None = None,
+                      iterations: int = 4) -> torch.Tensor:
+    """keys [G, P, D], valid [G, P] bool (default: all) -> [G, P] long: each valid key's cluster (-1: not valid),
+    about `size` valid keys a cluster, by spherical k-means of the mean-centred valid keys (cosine assignment),
+    seeded by `farthest_directions` (deterministic). Clusters past a group's count (its valid keys / size,
+    rounded up) stay unused; a cluster that empties keeps its direction."""
     G, P, D = keys.shape
+    valid = torch.ones(G, P, dtype=torch.bool, device=keys.device) if valid is None else valid
     R = -(-P // size)
-    keys32 = keys.float()
-    directions = F.normalize(keys32 - keys32.mean(dim=1, keepdim=True), dim=-1)            # [G, P, D]
-    centres = farthest_directions(directions, R)                                           # [G, R, D]
+    count = valid.sum(dim=1)
+    live = torch.arange(R, device=keys.device) < (-(-count // size))[:, None]  # [G, R]
+    keys32 = keys.float().masked_fill(~valid[..., None], 0.0)
+    mean = keys32.sum(dim=1, keepdim=True) / count.clamp(min=1)[:, None, None]
+    directions = F.normalize(keys32 - mean, dim=-1).masked_fill(~valid[..., None], 0.0)     # invalid: no weight
+    centres = farthest_directions(directions, valid, R)
+    nearest = lambda: (directions @ centres.transpose(1, 2)).masked_fill(~live[:, None], float("-inf")).argmax(dim=-1)
     for _ in range(iterations):
-        assign = (directions @ centres.transpose(1, 2)).argmax(dim=-1)                     # [G, P]
-        sums = torch.zeros(G, R, D, device=keys.device).scatter_add_(1, assign[..., None].expand(G, P, D),
+        sums = torch.zeros(G, R, D, device=keys.device).scatter_add_(1, nearest()[..., None].expand(G, P, D),
                                                                     directions)
         centres = torch.where(sums.norm(dim=-1, keepdim=True) > 0, F.normalize(sums, dim=-1), centres)
-    assign = (directions @ centres.transpose(1, 2)).argmax(dim=-1)
-    counts = torch.zeros(G, R, dtype=torch.long, device=keys.device).scatter_add_(1, assign, torch.ones_like(assign))
-    raw_sums = torch.zeros(G, R, D, device=keys.device).scatter_add_(1, assign[..., None].expand(G, P, D), keys32)
-    centroids = raw_sums / counts.clamp(min=1)[..., None]
-    index = assign[..., None].expand(G, P, D)
-    lower = torch.full((G, R, D), float("inf"), device=keys.device).scatter_reduce_(1, index, keys32, "amin")
-    upper = torch.full((G, R, D), float("-inf"), device=keys.device).scatter_reduce_(1, index, keys32, "amax")
+    assign = nearest()
+    return assign.masked_fill(~valid, -1)
+
+
+def region_summaries(keys: torch.Tensor, assign: torch.Tensor, num_regions: int):
+    """keys [G, P, D], assign [G, P] (a key's region, -1: none) -> the mean key [G, R, D], per-dimension lower
+    and upper bounds [G, R, D] (+-inf: an empty region), all fp32, and the sizes [G, R] of the regions."""
+    G, P, D = keys.shape
+    member = (assign >= 0)[..., None]
+    index = assign.clamp(min=0)[..., None].expand(G, P, D)
+    keys32 = keys.float()
+    sizes = torch.zeros(G, num_regions, dtype=torch.long, device=keys.device).scatter_add_(
+        1, assign.clamp(min=0), (assign >= 0).long())
+    sums = torch.zeros(G, num_regions, D, device=keys.device).scatter_add_(1, index, keys32 * member)
+    lower = torch.full((G, num_regions, D), float("inf"), device=keys.device).scatter_reduce_(
+        1, index, keys32.masked_fill(~member, float("inf")), "amin")
+    upper = torch.full((G, num_regions, D), float("-inf"), device=keys.device).scatter_reduce_(
+        1, index, keys32.masked_fill(~member, float("-inf")), "amax")
+    return sums / sizes.clamp(min=1)[..., None], lower, upper, sizes
+
+
+def kmeans_regions(keys: torch.Tensor, size: int, iterations: int = 4) -> Regions:
+    """keys [G, P, D] -> about P / size clusters per group (`kmeans_assignment`); a cluster's centroid is the mean
+    raw key of its members, with their bounds."""
+    G, P, D = keys.shape
+    assign = kmeans_assignment(keys, size, iterations=iterations)
+    centroids, lower, upper, sizes = region_summaries(keys, assign, -(-P // size))
     order = torch.sort(assign, dim=1, stable=True).indices                                 # by cluster, then position
-    starts = F.pad(counts.cumsum(dim=1), (1, 0))
-    return Regions(centroids, lower, upper, order, starts)
+    return Regions(centroids, lower, upper, order, F.pad(sizes.cumsum(dim=1), (1, 0)))
 
 
 def region_scores(regions: Regions, queries: torch.Tensor, group: int, bounds: bool = True) -> torch.Tensor:

@@ -8,6 +8,11 @@ WINDOW positions), which are always open. Policies (`SamplingParams.kv_routing`)
     chunk     a chunk's score is the upper bound of any of its keys' scores (per-dimension min/max, as Quest
               scores pages): sum_d max(q_d * lo_d, q_d * hi_d), the largest over rows and heads;
     centroid  its mean key's score;
+    kmeans    k-means regions instead of chunks (cache/regions.py: about CHUNK keys each, similar keys wherever
+              they are), scored by their bounds, opened best first while the keys read stay within the budget
+              (never above it: at most the chunks' bytes); built when a pass writes a request's whole sequence
+              (a prefill, Dual-Cache's full pass), their bounds widened when a pass rewrites some prompt keys
+              (the regions keep their members until the next rebuild);
     window    the chunks nearest the prompt's end (a control: recency alone);
     random    a fixed pseudo-random order per (layer, KV head, chunk) (a control at equal bytes).
 A request's budget (`kv_budget`, a fraction of its prompt's keys) counts the sinks and the window. A pass with
@@ -19,7 +24,9 @@ Chunks are the cache's own (requests start at multiples of CHUNK rows, kv_cache.
 reference: it summarises the chunks from the cache at every step. `route_stored` reads the summaries kept beside
 the cache (KVCache.chunk_summaries), which kernels/chunk_summaries.py rewrites for the chunks that a pass's
 prompt rows write; the attention kernel then visits only the open chunks. What does not depend on the layer is
-computed once per pass (`PassKeys`): a step's routing is a handful of launches per layer.
+computed once per pass (`PassKeys`): a step's routing is a handful of launches per layer. K-means regions are
+kept beside the cache too (KVCache.kmeans_regions), built in PyTorch on both paths; the kernel visits the key
+tiles holding an opened key (a region-ordered layout, which would visit only the opened keys, is not built).
 """
 from __future__ import annotations
 
@@ -30,9 +37,10 @@ import torch
 import torch.nn.functional as F
 
 from .attention_metadata import padded_index
+from .regions import kmeans_assignment, region_summaries
 
 CHUNK, SINKS, WINDOW = 32, 4, 32
-POLICIES = ("chunk", "centroid", "window", "random")
+POLICIES = ("chunk", "centroid", "kmeans", "window", "random")
 
 
 @dataclass
@@ -48,6 +56,7 @@ class PassKeys:
     q_valid: torch.Tensor     # [B, R] bool
     dense_count: torch.Tensor  # [B] long: prompt keys x KV heads
     cache_chunk: torch.Tensor  # [B, C] long: the cache's chunk of each of the request's chunks
+    key_index: torch.Tensor    # [B, K] long: the cache row of each key (clamped into the range)
 
 
 @dataclass
@@ -66,6 +75,8 @@ class PromptRouting:
     row_request: torch.Tensor  # [N] long: each query row's request
     prompt_rows: torch.Tensor  # [N] bool: the pass's rows in their request's prompt
     pure: torch.Tensor         # [B] bool: the pass has no prompt row of the request (it reads its prompt routed)
+    rebuilds: torch.Tensor     # [B] bool: a kmeans request whose whole sequence the pass writes (new regions)
+    any_rebuild: bool          # host: whether any request of the pass rebuilds its regions
     batch_row: torch.Tensor    # [B] long: each request's row of the decode batch (the accumulators' index)
     keys_read: torch.Tensor    # [batch rows] long: prompt keys read, summed over passes, layers and KV heads
     keys_dense: torch.Tensor   # [batch rows] long: the same, had every prompt key been read
@@ -85,20 +96,23 @@ class PromptRouting:
         prompt_len = constant(prompt_lens)
         prompt_rows = positions < prompt_len[row_request]
         counts = torch.zeros_like(prompt_len).index_add_(0, row_request, prompt_rows.long())
+        rebuilds = [writes_cache and policy == "kmeans" and rows >= length
+                    for policy, rows, length in zip(policies, row_counts, lengths)]
         return cls(prompt_len, constant(top_k), constant([POLICIES.index(p) if p else -1 for p in policies]),
                    tuple(sorted({p for p in policies if p}, key=POLICIES.index)), max(top_k),
                    max(length - prompt for length, prompt in zip(lengths, prompt_lens)),
                    writes_cache and all(not policy or rows > length - prompt
                                         for policy, rows, length, prompt in zip(policies, row_counts, lengths,
                                                                                 prompt_lens)),
-                   row_request, prompt_rows, counts == 0, batch_row, keys_read, keys_dense)
+                   row_request, prompt_rows, counts == 0, constant(rebuilds).bool(), any(rebuilds), batch_row,
+                   keys_read, keys_dense)
 
     def leading(self, groups: int, rows: int) -> PromptRouting:
         """The routing of a pass's first `groups` requests, which own its first `rows` query rows."""
         return dataclasses.replace(
             self, prompt_len=self.prompt_len[:groups], top_k=self.top_k[:groups], policy=self.policy[:groups],
             row_request=self.row_request[:rows], prompt_rows=self.prompt_rows[:rows], pure=self.pure[:groups],
-            batch_row=self.batch_row[:groups])
+            rebuilds=self.rebuilds[:groups], batch_row=self.batch_row[:groups])
 
     def keys_of_pass(self, metadata, num_kv_heads: int) -> PassKeys:
         if self.pass_keys is None:
@@ -142,8 +156,10 @@ def _pass_keys(routing: PromptRouting, metadata, num_kv_heads: int) -> PassKeys:
     q_index, q_valid = padded_index(q_begin, (metadata.cu_seqlens_q[1:] - q_begin).clamp(max=width), width)
     B = key_valid.shape[0]
     cache_chunk = metadata.kv_start[:, None] // CHUNK + torch.arange(C, device=positions.device)
+    key_index = padded_index(metadata.kv_start, metadata.kv_len, K)[0]
     return PassKeys(in_prompt, routable, competes, always[:, None, :], (positions // CHUNK).expand(B, num_kv_heads, K),
-                    q_index, q_valid & routing.pure[:, None], in_prompt.sum(dim=1) * num_kv_heads, cache_chunk)
+                    q_index, q_valid & routing.pure[:, None], in_prompt.sum(dim=1) * num_kv_heads, cache_chunk,
+                    key_index)
 
 
 def count_in_full(metadata, num_kv_heads: int):
@@ -154,25 +170,74 @@ def count_in_full(metadata, num_kv_heads: int):
     routing.keys_dense.index_add_(0, routing.batch_row, dense)
 
 
-def route(q: torch.Tensor, k_cache: torch.Tensor, metadata, layer: int) -> torch.Tensor:
+def update_kmeans(k_cache: torch.Tensor, summaries: torch.Tensor, key_region: torch.Tensor, metadata):
+    """After a pass wrote the layer's cache: the k-means regions (KVCache.kmeans_regions' layer entries) of the
+    kmeans requests whose whole sequence it wrote are rebuilt from their routable prompt keys; where it rewrote
+    some prompt keys of another request, those keys widen the bounds of the regions they belong to."""
+    routing = metadata.routing
+    Hkv, D = k_cache.shape[1:]
+    keys = routing.keys_of_pass(metadata, Hkv)
+    scratch = summaries.shape[0] - 1
+    if routing.any_rebuild:
+        B, K = keys.key_index.shape
+        grouped = k_cache[keys.key_index].transpose(1, 2).reshape(B * Hkv, K, D)
+        assign = kmeans_assignment(grouped, CHUNK, keys.routable.repeat_interleave(Hkv, dim=0))
+        C = keys.cache_chunk.shape[1]
+        centroids, lower, upper, _ = region_summaries(grouped, assign, C)
+        parts = torch.stack([lower, upper, centroids], dim=1).view(B, Hkv, 3, C, D).permute(0, 3, 2, 1, 4)
+        in_range = torch.arange(C, device=k_cache.device) * CHUNK < metadata.kv_len[:, None]
+        chunk = torch.where(routing.rebuilds[:, None] & in_range, keys.cache_chunk, scratch)        # [B, C]
+        summaries[chunk] = torch.nan_to_num(parts, posinf=0.0, neginf=0.0).to(summaries.dtype)    # empty: zeros
+        key_valid = torch.arange(K, device=k_cache.device) < metadata.kv_len[:, None]
+        rows = torch.where(routing.rebuilds[:, None] & key_valid, keys.key_index, key_region.shape[0] - 1)
+        key_region[rows] = assign.view(B, Hkv, K).transpose(1, 2).to(key_region.dtype)
+    slots = metadata.slot_mapping
+    kmeans_rows = routing.policy[routing.row_request] == POLICIES.index("kmeans")
+    widened = routing.prompt_rows & kmeans_rows & ~routing.rebuilds[routing.row_request]
+    widened &= slots != key_region.shape[0] - 1
+    region = key_region[slots].long()                                                              # [N, Hkv]
+    chunk = metadata.kv_start[routing.row_request, None] // CHUNK + region
+    chunk = torch.where(widened[:, None] & (region >= 0), chunk, scratch)
+    heads = torch.arange(Hkv, device=k_cache.device)
+    flat = summaries.view(-1, D)
+    for part, reduce in ((0, "amin"), (1, "amax")):
+        index = ((chunk * 3 + part) * Hkv + heads).flatten()
+        flat.scatter_reduce_(0, index[:, None].expand(-1, D), k_cache[slots].flatten(0, 1), reduce)
+
+
+def kmeans_inputs(state: tuple[torch.Tensor, torch.Tensor] | None, keys: PassKeys):
+    """The pass's view of a layer's k-means regions (summaries, key_region): the regions' lower and upper bounds
+    {0, 1: [B, C, Hkv, D]} and each key's region [B, Hkv, K] (-1: none); None without kmeans requests."""
+    if state is None:
+        return None
+    summaries, key_region = state
+    chunk = keys.cache_chunk.clamp(max=summaries.shape[0] - 1)
+    return ({part: summaries[:, part][chunk].float() for part in (0, 1)},
+            key_region[keys.key_index].long().transpose(1, 2))
+
+
+def route(q: torch.Tensor, k_cache: torch.Tensor, metadata, layer: int,
+          kmeans: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """q [N, H, D] a pass's rotated queries, k_cache [rows, Hkv, D] the layer's cache (already holding the
     pass's keys) -> [B, Hkv, max_kv] bool: the cache keys each request's KV head reads (`visible_keys`), its
-    chunks summarised from the cache."""
-    key_index, key_valid = padded_index(metadata.kv_start, metadata.kv_len, metadata.max_kv)
-    in_prompt = metadata.routing.keys_of_pass(metadata, k_cache.shape[1]).in_prompt
-    return visible_keys(q, summarise(k_cache[key_index], in_prompt), metadata, layer)
+    chunks summarised from the cache; `kmeans`: the layer's k-means regions, where the pass has kmeans requests."""
+    keys = metadata.routing.keys_of_pass(metadata, k_cache.shape[1])
+    return visible_keys(q, summarise(k_cache[keys.key_index], keys.in_prompt), metadata, layer,
+                        kmeans=kmeans_inputs(kmeans, keys))
 
 
-def route_stored(q: torch.Tensor, summaries: torch.Tensor, metadata, layer: int) -> torch.Tensor:
+def route_stored(q: torch.Tensor, summaries: torch.Tensor, metadata, layer: int,
+                 kmeans: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """As `route`, with the chunk summaries kept beside the cache: summaries [cache rows / CHUNK, 3, Hkv, D]
     (the layer's KVCache.chunk_summaries, fresh for the pass's prompt rows). No prompt key is read; of the
     summaries, only those the pass's policies score."""
+    keys = metadata.routing.keys_of_pass(metadata, summaries.shape[2])
     # A range shorter than the pass's widest may end near the cache's end: its chunks past its keys are unread.
-    chunk = metadata.routing.keys_of_pass(metadata, summaries.shape[2]).cache_chunk.clamp(max=summaries.shape[0] - 1)
+    chunk = keys.cache_chunk.clamp(max=summaries.shape[0] - 1)
     policies = metadata.routing.policies
     picked = {index: summaries[:, index][chunk].float() for name, parts in (("chunk", (0, 1)), ("centroid", (2,)))
               if name in policies for index in parts}
-    return visible_keys(q, picked, metadata, layer, num_kv_heads=summaries.shape[2])
+    return visible_keys(q, picked, metadata, layer, num_kv_heads=summaries.shape[2], kmeans=kmeans_inputs(kmeans, keys))
 
 
 def summarise(keys: torch.Tensor, member: torch.Tensor) -> dict[int, torch.Tensor]:
@@ -191,27 +256,33 @@ def summarise(keys: torch.Tensor, member: torch.Tensor) -> dict[int, torch.Tenso
 
 
 def visible_keys(q: torch.Tensor, summaries: dict[int, torch.Tensor], metadata, layer: int,
-                 num_kv_heads: int | None = None) -> torch.Tensor:
+                 num_kv_heads: int | None = None, kmeans=None) -> torch.Tensor:
     """q [N, H, D] the pass's rotated queries; summaries: those of `summarise` that the pass's policies score,
-    [B, C, Hkv, D] each -> [B, Hkv, K] bool: the keys each request's KV head reads this step (all of the
-    generated part; of the prompt, the open chunks, the sinks and the window; everything where the request is
-    dense or its pass not pure). Adds the prompt keys read to routing.keys_read."""
+    [B, C, Hkv, D] each; kmeans: `kmeans_inputs` where the pass has kmeans requests -> [B, Hkv, K] bool: the
+    keys each request's KV head reads this step (all of the generated part; of the prompt, the open regions,
+    the sinks and the window; everything where the request is dense or its pass not pure). Adds the prompt keys
+    read to routing.keys_read."""
     routing = metadata.routing
     Hkv = num_kv_heads or next(iter(summaries.values())).shape[2]
     keys = routing.keys_of_pass(metadata, Hkv)
     B, C = keys.competes.shape
     group, D = q.shape[1] // Hkv, q.shape[2]
     scores = {}
-    if {"chunk", "centroid"} & set(routing.policies):
+    if {"chunk", "centroid", "kmeans"} & set(routing.policies):
         rows = q[keys.q_index].float().masked_fill(~keys.q_valid[:, :, None, None], 0.0)    # [B, R, H, D]
         rows = rows.view(B, -1, Hkv, group, D).permute(0, 2, 1, 3, 4).reshape(B, Hkv, -1, D)
         row_valid = keys.q_valid[:, None, :, None].expand(B, 1, -1, group).reshape(B, 1, -1, 1)
         best = lambda s: s.masked_fill(~row_valid, float("-inf")).amax(dim=2)               # [B, Hkv, C]
         per_chunk = lambda part: summaries[part].transpose(1, 2).transpose(-1, -2)          # [B, Hkv, D, C]
-        if "chunk" in routing.policies:  # the upper bound: sum_d max(q_d * lo_d, q_d * hi_d)
-            scores["chunk"] = best(rows.clamp(min=0) @ per_chunk(1) + rows.clamp(max=0) @ per_chunk(0))
+        # the upper bound of a region's key scores: sum_d max(q_d * lo_d, q_d * hi_d)
+        bound = lambda lower, upper: best(rows.clamp(min=0) @ upper + rows.clamp(max=0) @ lower)
+        if "chunk" in routing.policies:
+            scores["chunk"] = bound(per_chunk(0), per_chunk(1))
         if "centroid" in routing.policies:
             scores["centroid"] = best(rows @ per_chunk(2))
+        if "kmeans" in routing.policies:
+            per_region = lambda part: kmeans[0][part].transpose(1, 2).transpose(-1, -2)
+            scores["kmeans"] = bound(per_region(0), per_region(1))
     chunk_index = torch.arange(C, device=q.device, dtype=torch.float32)
     if "window" in routing.policies:
         scores["window"] = chunk_index.expand(B, Hkv, C)
@@ -230,7 +301,19 @@ def visible_keys(q: torch.Tensor, summaries: dict[int, torch.Tensor], metadata, 
     top = score.topk(width, dim=-1)
     take = (torch.arange(width, device=q.device) < routing.top_k[:, None, None]) & (top.values > float("-inf"))
     opened = torch.zeros(B, Hkv, C, dtype=torch.bool, device=q.device).scatter_(-1, top.indices, take)
-    visible = (opened.gather(-1, keys.chunk_of) & keys.routable[:, None, :]) | keys.always
+    region_of = keys.chunk_of
+    if kmeans is not None:  # regions of any size, opened best first while within the budget of keys
+        is_kmeans = (routing.policy == POLICIES.index("kmeans"))[:, None, None]
+        region_of = torch.where(is_kmeans, kmeans[1], region_of)
+        member = keys.routable[:, None, :] & (region_of >= 0)
+        sizes = torch.zeros(B, Hkv, C, dtype=torch.long, device=q.device).scatter_add_(
+            -1, region_of.clamp(min=0), member.long())
+        ranked = score.masked_fill(sizes == 0, float("-inf")).sort(dim=-1, descending=True)
+        ranked_sizes = sizes.gather(-1, ranked.indices)
+        fits = (ranked_sizes.cumsum(dim=-1) <= (routing.top_k * CHUNK)[:, None, None]) & (ranked.values > float("-inf"))
+        by_budget = torch.zeros_like(opened).scatter_(-1, ranked.indices, fits)
+        opened = torch.where(is_kmeans, by_budget, opened)
+    visible = (opened.gather(-1, region_of.clamp(min=0)) & keys.routable[:, None, :] & (region_of >= 0)) | keys.always
     read = (visible & keys.in_prompt[:, None, :]).sum(dim=(1, 2))                          # non-pure: in full
     routing.keys_read.index_add_(0, routing.batch_row, read)
     routing.keys_dense.index_add_(0, routing.batch_row, keys.dense_count)

@@ -16,7 +16,7 @@ from torch import nn
 from ..cache.attention_metadata import AttentionMetadata
 from ..cache.kv_cache import KVCache
 from ..config import ModelConfig
-from ..cache.routing import CHUNK, count_in_full, route, route_stored
+from ..cache.routing import CHUNK, count_in_full, route, route_stored, update_kmeans
 from ..kernels.attention import ordered_attention, ragged_attention_ref
 from ..kernels.chunk_summaries import write_chunk_summaries
 from ..kernels.flash_attention import flash_attention
@@ -186,12 +186,17 @@ class Attention(nn.Module):
             if metadata.write_cache:
                 written = metadata.routing.written_chunks(metadata, cache.scratch_row)
                 write_chunk_summaries(cache.k[self.layer], summaries, *written)
+        kmeans = None
+        if "kmeans" in metadata.routing.policies:
+            kmeans = tuple(part[self.layer] for part in cache.kmeans_regions(CHUNK))
+            if metadata.write_cache:
+                update_kmeans(cache.k[self.layer], *kmeans, metadata)
         if metadata.routing.read_in_full:  # a full pass: the dense attention
             count_in_full(metadata, self.num_kv_heads)
             return {}
         if kernels:
-            return dict(key_visible=route_stored(q, summaries, metadata, self.layer))
-        return dict(key_visible=route(q, cache.k[self.layer], metadata, self.layer))
+            return dict(key_visible=route_stored(q, summaries, metadata, self.layer, kmeans))
+        return dict(key_visible=route(q, cache.k[self.layer], metadata, self.layer, kmeans))
 
     def _kernel_attention(self, x, rope, metadata, cache, key_mass) -> torch.Tensor:
         k_cache, v_cache = cache.k[self.layer], cache.v[self.layer]
