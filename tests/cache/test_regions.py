@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flash_dllm.cache.regions import chunk_regions, kmeans_regions, region_scores, routed_keys
+from flash_dllm.cache import regions as regions_module
+from flash_dllm.cache.regions import chunk_regions, kmeans_assignment, kmeans_regions, region_scores, routed_keys
 
 
 def clustered_keys(groups: int = 3, positions: int = 96, dim: int = 16, clusters: int = 4, seed: int = 0):
@@ -97,3 +98,11 @@ def test_the_budget_is_a_fixed_count_of_regions():
     scores = region_scores(regions, torch.randn(3, 2, 16), group=1)
     visible = routed_keys(regions, scores, top_k=2, sinks=0, window=0)
     assert visible.sum(dim=1).tolist() == [64, 64]
+
+
+def test_kmeans_of_many_groups_is_computed_a_slice_at_a_time(monkeypatch):
+    """Long prompts bound the similarities held at once by slicing the groups: the same regions."""
+    keys, _ = clustered_keys(groups=5)
+    whole = kmeans_assignment(keys, 24)
+    monkeypatch.setattr(regions_module, "MAX_SIMILARITIES", 2 * 96 * 4)  # two groups a slice
+    assert torch.equal(kmeans_assignment(keys, 24), whole)

@@ -20,6 +20,9 @@ import torch
 import torch.nn.functional as F
 
 
+MAX_SIMILARITIES = 2**26  # key-to-centre similarities held at once (256 MB in fp32)
+
+
 @dataclass
 class Regions:
     """A prompt's keys grouped into R regions for each of G groups (layer x KV head, flattened)."""
@@ -73,6 +76,10 @@ def kmeans_assignment(keys: torch.Tensor, size: int, valid: torch.Tensor | None 
     G, P, D = keys.shape
     valid = torch.ones(G, P, dtype=torch.bool, device=keys.device) if valid is None else valid
     R = -(-P // size)
+    step = max(1, MAX_SIMILARITIES // (P * R))
+    if G > step:  # the [groups, P, R] similarities of long prompts, a slice of the groups at a time
+        return torch.cat([kmeans_assignment(keys[g:g + step], size, valid[g:g + step], iterations)
+                          for g in range(0, G, step)])
     count = valid.sum(dim=1)
     live = torch.arange(R, device=keys.device) < (-(-count // size))[:, None]  # [G, R]
     keys32 = keys.float().masked_fill(~valid[..., None], 0.0)
