@@ -296,9 +296,8 @@ def visible_keys(q: torch.Tensor, summaries: dict[int, torch.Tensor], metadata, 
         index = torch.tensor([POLICIES.index(p) for p in scores], device=q.device)
         pick = (routing.policy.clamp(min=0)[:, None] == index).float().argmax(dim=1)        # [B]
         score = torch.stack(list(scores.values())).gather(0, pick[None, :, None, None].expand(1, B, Hkv, C))[0]
-    score = score.masked_fill(~keys.competes[:, None, :], float("-inf"))
     width = min(max(routing.max_top_k, 1), C)
-    top = score.topk(width, dim=-1)
+    top = score.masked_fill(~keys.competes[:, None, :], float("-inf")).topk(width, dim=-1)
     take = (torch.arange(width, device=q.device) < routing.top_k[:, None, None]) & (top.values > float("-inf"))
     opened = torch.zeros(B, Hkv, C, dtype=torch.bool, device=q.device).scatter_(-1, top.indices, take)
     region_of = keys.chunk_of
@@ -308,7 +307,7 @@ def visible_keys(q: torch.Tensor, summaries: dict[int, torch.Tensor], metadata, 
         member = keys.routable[:, None, :] & (region_of >= 0)
         sizes = torch.zeros(B, Hkv, C, dtype=torch.long, device=q.device).scatter_add_(
             -1, region_of.clamp(min=0), member.long())
-        ranked = score.masked_fill(sizes == 0, float("-inf")).sort(dim=-1, descending=True)
+        ranked = score.masked_fill(sizes == 0, float("-inf")).sort(dim=-1, descending=True)  # regions, not chunks
         ranked_sizes = sizes.gather(-1, ranked.indices)
         fits = (ranked_sizes.cumsum(dim=-1) <= (routing.top_k * CHUNK)[:, None, None]) & (ranked.values > float("-inf"))
         by_budget = torch.zeros_like(opened).scatter_(-1, ranked.indices, fits)
