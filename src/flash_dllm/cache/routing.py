@@ -177,7 +177,7 @@ def update_kmeans(k_cache: torch.Tensor, summaries: torch.Tensor, key_region: to
     routing = metadata.routing
     Hkv, D = k_cache.shape[1:]
     keys = routing.keys_of_pass(metadata, Hkv)
-    scratch = summaries.shape[0] - 1
+    scratch, scratch_row = summaries.shape[0] - 1, key_region.shape[0] - 1  # written where nothing is
     if routing.any_rebuild:
         B, K = keys.key_index.shape
         grouped = k_cache[keys.key_index].transpose(1, 2).reshape(B * Hkv, K, D)
@@ -189,12 +189,12 @@ def update_kmeans(k_cache: torch.Tensor, summaries: torch.Tensor, key_region: to
         chunk = torch.where(routing.rebuilds[:, None] & in_range, keys.cache_chunk, scratch)        # [B, C]
         summaries[chunk] = torch.nan_to_num(parts, posinf=0.0, neginf=0.0).to(summaries.dtype)    # empty: zeros
         key_valid = torch.arange(K, device=k_cache.device) < metadata.kv_len[:, None]
-        rows = torch.where(routing.rebuilds[:, None] & key_valid, keys.key_index, key_region.shape[0] - 1)
+        rows = torch.where(routing.rebuilds[:, None] & key_valid, keys.key_index, scratch_row)
         key_region[rows] = assign.view(B, Hkv, K).transpose(1, 2).to(key_region.dtype)
     slots = metadata.slot_mapping
     kmeans_rows = routing.policy[routing.row_request] == POLICIES.index("kmeans")
     widened = routing.prompt_rows & kmeans_rows & ~routing.rebuilds[routing.row_request]
-    widened &= slots != key_region.shape[0] - 1
+    widened &= slots != scratch_row
     region = key_region[slots].long()                                                              # [N, Hkv]
     chunk = metadata.kv_start[routing.row_request, None] // CHUNK + region
     chunk = torch.where(widened[:, None] & (region >= 0), chunk, scratch)
@@ -222,7 +222,9 @@ def route(q: torch.Tensor, k_cache: torch.Tensor, metadata, layer: int,
     pass's keys) -> [B, Hkv, max_kv] bool: the cache keys each request's KV head reads (`visible_keys`), its
     chunks summarised from the cache; `kmeans`: the layer's k-means regions, where the pass has kmeans requests."""
     keys = metadata.routing.keys_of_pass(metadata, k_cache.shape[1])
-    return visible_keys(q, summarise(k_cache[keys.key_index], keys.in_prompt), metadata, layer,
+    scored = {"chunk", "centroid"} & set(metadata.routing.policies)  # the others read no chunk summary
+    summaries = summarise(k_cache[keys.key_index], keys.in_prompt) if scored else {}
+    return visible_keys(q, summaries, metadata, layer, num_kv_heads=k_cache.shape[1],
                         kmeans=kmeans_inputs(kmeans, keys))
 
 
