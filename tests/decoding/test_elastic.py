@@ -17,6 +17,7 @@ from flash_dllm.decoding.elastic import drift_similarity, select_tracked, window
 from flash_dllm.decoding.registry import method_of
 from flash_dllm.engine.model_runner import ModelRunner
 from flash_dllm.decoding.sampling import NOISE_STREAM, counter_uniform
+from flash_dllm.engine.cuda_graphs import CudaGraphs, GraphedCalls
 from flash_dllm.models.layers import apply_rotary, rotary_cos_sin
 
 PROMPTS = ["What is 3 + 4?", "Tom has 3 apples and buys 4 more. How many?", "x", "The passkey is 48213."]
@@ -159,6 +160,38 @@ def test_refresh_is_a_forward_from_the_cached_inputs(deep_checkpoint):
         for layer in range(first):
             assert torch.equal(cache.k[layer][rows], k_before[layer][rows])
         close(out[refresh.flat_of_column[row, width - n:]], x[0])
+
+
+class StaticCapture:
+    """A capture without a GPU that keeps a real one's data flow: its inputs are static copies, refilled before
+    each replay, which reruns the function on them (a real replay runs no Python) and hands out copies of its
+    outputs."""
+
+    def __init__(self, fn, tensors):
+        self.fn, self.inputs = fn, tuple(t.clone() for t in tensors)
+        self.first_outputs = fn(*self.inputs)
+
+    def replay(self, tensors):
+        for static, t in zip(self.inputs, tensors):
+            static.copy_(t)
+        return tuple(None if t is None else t.clone() for t in self.fn(*self.inputs))
+
+
+@pytest.mark.parametrize("drift_threshold", [1.0, 0.97])
+def test_refresh_passes_replay_with_the_eager_tokens(deep_checkpoint, monkeypatch, drift_threshold):
+    """Refreshes whose first layers and lengths repeat replay from one graph each (here with captures that rerun
+    Python on static inputs), with the eager tokens, steps and query rows; the reuse passes too."""
+    params = SamplingParams(method="elastic", max_tokens=24, threshold=0.9, mask_window=6,
+                            drift_threshold=drift_threshold, temperature=0.5, seed=1)
+    llm = LLM(str(deep_checkpoint), device="cpu", dtype="float32", max_batch_size=2, kv_cache_bytes=CACHE_BYTES)
+    expected = llm.generate(PROMPTS, params, use_tqdm=False)
+    monkeypatch.setattr(GraphedCalls, "_capture", lambda self, fn, tensors: StaticCapture(fn, tensors))
+    llm.runner.graphs = CudaGraphs(llm.runner._forward_cached, torch.device("cpu"), max_graphs=64)
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [(o.token_ids, o.steps, o.query_rows) for o in outputs] == \
+        [(o.token_ids, o.steps, o.query_rows) for o in expected]
+    captured = {key[0] for key in llm.runner.graphs.graphs}
+    assert {"elastic refresh", "elastic reuse"} <= captured and llm.runner.graphs.replays > 0
 
 
 def test_drift_is_the_cosine_over_keys():

@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from ..cache.attention_metadata import AttentionMetadata, device_tensor
+from ..cache.attention_metadata import AttentionMetadata
 from ..kernels.attention import ordered_attention, ordered_sum
 from ..models.layers import Rotary, rotary_cos_sin
 from .base import DecodingMethod, check, knob
@@ -152,10 +152,9 @@ def _prepare(runner: ModelRunner, batch: DecodeBatch, order: list[int], selected
     return runner.prepare(batch, counts, columns, order=order, track=track)
 
 
-def _leading_groups(p: CachedPass, groups: int) -> tuple[AttentionMetadata, int]:
+def _leading_groups(m: AttentionMetadata, counts: list[int], groups: int) -> tuple[AttentionMetadata, int]:
     """For a pass over whole sequences (counts = lengths): the attention metadata of its first `groups`
     groups, and their number of rows."""
-    m, counts = p.metadata, p.rows.counts
     n, longest = sum(counts[:groups]), max(counts[:groups])
     metadata = AttentionMetadata(cu_seqlens_q=m.cu_seqlens_q[:groups + 1], kv_start=m.kv_start[:groups],
                                  kv_len=m.kv_len[:groups], slot_mapping=m.slot_mapping[:n], max_q=longest,
@@ -223,34 +222,53 @@ def _refresh_pass(runner: ModelRunner, batch: DecodeBatch, first_layer: list[int
     """Recompute layers first_layer[b]..L-1 over every position of the rows b with first_layer[b] < L, each
     from its cached input hidden states at its first layer. Overwrites their key_mass rows at those layers
     (the attention of the `predicting` [B, W] rows).
-    Returns the pass and its final hidden states [N, d], or None if no row refreshes."""
-    model, cache = runner.model, runner.cache
-    layers, hidden = model.layers, cache.hidden_states()
-    num_layers = len(layers)
+    Returns the pass and its final hidden states [N, d], or None if no row refreshes. With CUDA graphs, a
+    refresh whose first layers and lengths repeat replays as one graph."""
+    num_layers = len(runner.model.layers)
     order = sorted((b for b, first in enumerate(first_layer) if first < num_layers), key=first_layer.__getitem__)
     if not order:
         return None
     batch.count_query_rows([row.length * (num_layers - first) // num_layers  # in full-depth rows
                             for row, first in zip(batch.rows, first_layer)])
-    starts = [first_layer[b] for b in order]
+    starts = tuple(first_layer[b] for b in order)
     lengths = [batch.rows[b].length for b in order]
     refresh = _prepare(runner, batch, order, batch.attention_mask, lengths, predicting)
-    device = refresh.request.device
-    rope = Rotary.at(refresh.positions, model.config)
-    slots = refresh.metadata.slot_mapping
-    row_start = device_tensor(first_layer, device)[refresh.request]                  # [N] each row's first layer
-    order_t = runner.constant(order)  # uploaded by _prepare already
-    x = torch.zeros(refresh.request.shape[0], model.config.hidden_size, dtype=hidden[0].dtype, device=device)
-    for index in range(starts[0], num_layers):
-        groups = bisect_right(starts, index)
-        metadata, n = _leading_groups(refresh, groups)
-        if index in starts:  # rows joining here start from their cached inputs
-            x = torch.where((row_start == index)[:, None], hidden[index][slots], x)
-        hidden[index][slots[:n]] = x[:n]
-        mass = torch.zeros(groups, metadata.max_kv, device=device)
-        x[:n] = layers[index].forward_cached(x[:n], rope[:n], metadata, cache, mass, runner.kernels)
-        key_mass[index, order_t[:groups]] = F.pad(mass, (0, key_mass.shape[2] - metadata.max_kv))
+    m = refresh.metadata
+    row_start = runner.constant(list(starts))[refresh.rows.request]                  # [N] each row's first layer
+    tensors = (refresh.positions, m.cu_seqlens_q, m.kv_start, m.kv_len, m.slot_mapping, m.track_rows, row_start,
+               runner.constant(order), key_mass)
+    layers = functools.partial(_refresh_layers, runner.model, runner.cache, runner.kernels, m, lengths, starts)
+    # A routed pass's routing is not among the graph's inputs (as in the reuse pass).
+    if not runner.uses_graphs(refresh.input_ids.shape[0]) or m.routing is not None:
+        return refresh, layers(*tensors)[0]
+    key = ("elastic refresh", starts, tuple(lengths), *((tuple(t.shape), t.dtype) for t in tensors))
+    x, mass = runner.graphs.run(key, layers, tensors)
+    if mass is not key_mass:  # replayed: the graph's static copy holds the refreshed layers' mass
+        key_mass.copy_(mass)
     return refresh, x
+
+
+def _refresh_layers(model, cache, kernels: bool, metadata: AttentionMetadata, lengths: list[int],
+                    starts: tuple[int, ...], positions, cu_seqlens_q, kv_start, kv_len, slot_mapping, track_rows,
+                    row_start, order, key_mass):
+    """The refresh pass's layers on tensors only (a CUDA graph replays it): group g (batch row order[g], lengths[g]
+    rows) joins at layer starts[g] (ascending), so the rows active at a layer are a prefix of the pass.
+    Returns the final hidden states [N, d] and key_mass with the refreshed rows' layers overwritten."""
+    layers, hidden = model.layers, cache.hidden_states()
+    metadata = dataclasses.replace(metadata, cu_seqlens_q=cu_seqlens_q, kv_start=kv_start, kv_len=kv_len,
+                                   slot_mapping=slot_mapping, track_rows=track_rows)
+    rope = Rotary.at(positions, model.config)
+    x = torch.zeros(positions.shape[0], model.config.hidden_size, dtype=hidden[0].dtype, device=positions.device)
+    for index in range(starts[0], len(layers)):
+        groups = bisect_right(starts, index)
+        layer_metadata, n = _leading_groups(metadata, lengths, groups)
+        if index in starts:  # rows joining here start from their cached inputs
+            x = torch.where((row_start == index)[:, None], hidden[index][slot_mapping], x)
+        hidden[index][slot_mapping[:n]] = x[:n]
+        mass = torch.zeros(groups, layer_metadata.max_kv, device=x.device)
+        x[:n] = layers[index].forward_cached(x[:n], rope[:n], layer_metadata, cache, mass, kernels)
+        key_mass[index, order[:groups]] = F.pad(mass, (0, key_mass.shape[2] - layer_metadata.max_kv))
+    return x, key_mass
 
 
 class Elastic(DecodingMethod):
