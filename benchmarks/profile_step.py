@@ -2,6 +2,7 @@
 busy time against wall time, the top kernels, and the same step's forward pass replayed as a CUDA graph.
 
     python benchmarks/profile_step.py --model random:llada-8b --cases flash-cache:1 flash-cache:32 dual-cache:1
+    python benchmarks/profile_step.py --model random:<long config> --prompt-length 8192 --cases dual-cache:1:chunk
 """
 from __future__ import annotations
 
@@ -33,9 +34,10 @@ class RecordingRunner(ModelRunner):
         return super().run(p, key_mass)
 
 
-def make_engine(llm, method, batch, prompt_length, max_tokens):
+def make_engine(llm, method, batch, prompt_length, max_tokens, routing=None, budget=0.125):
     decoding = method_of(method)
-    params = SamplingParams(method=method, max_tokens=max_tokens, block_length=decoding.published_block_length)
+    params = SamplingParams(method=method, max_tokens=max_tokens, block_length=decoding.published_block_length,
+                            **({} if routing is None else dict(kv_routing=routing, kv_budget=budget)))
     cfg = llm.config
     row_bytes = KVCache.bytes_per_row(cfg, llm.dtype, decoding.caches_hidden_states)
     runner = RecordingRunner(llm.model, kernels=llm.runner.kernels, cuda_graphs=llm.runner.cuda_graphs,
@@ -55,7 +57,9 @@ def main():
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--kernels", choices=["on", "off"], default="on")
     ap.add_argument("--cuda-graphs", choices=["on", "off"], default="off")
-    ap.add_argument("--cases", nargs="+", default=["flash-cache:1"])
+    ap.add_argument("--cases", nargs="+", default=["flash-cache:1"],
+                    help="method:batch, or method:batch:routing (a kv_routing policy at --kv-budget)")
+    ap.add_argument("--kv-budget", type=float, default=0.125)
     ap.add_argument("--prompt-length", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--steps", type=int, default=8)
@@ -64,8 +68,9 @@ def main():
               cuda_graphs=args.cuda_graphs == "on")
     summary = []
     for case in args.cases:
-        method, batch = case.split(":")
-        engine = make_engine(llm, method, int(batch), args.prompt_length, args.max_tokens)
+        method, batch, *routing = case.split(":")
+        engine = make_engine(llm, method, int(batch), args.prompt_length, args.max_tokens,
+                             routing[0] if routing else None, args.kv_budget)
         runner = engine.runner
         for _ in range(4):
             engine.step()
