@@ -9,6 +9,7 @@ import torch
 from flash_dllm import LLM, SamplingParams
 from types import SimpleNamespace
 
+from flash_dllm.cache.kv_cache import KMEANS_SCRATCH
 from flash_dllm.cache.regions import kmeans_assignment, region_summaries
 from flash_dllm.cache.routing import (CHUNK, POLICIES, SINKS, WINDOW, PromptRouting, chunks_opened, route,
                                       summarise, update_kmeans, visible_keys)
@@ -104,7 +105,7 @@ def kmeans_cache():
     """Random keys in the flat layout, and an empty k-means state beside them (KVCache.kmeans_regions')."""
     g = torch.Generator().manual_seed(2)
     k_cache = torch.randn(B * SPAN + 1, HKV, D, generator=g)
-    summaries = torch.zeros(B * SPAN // CHUNK + 1, 3, HKV, D)
+    summaries = torch.zeros(B * SPAN // CHUNK + KMEANS_SCRATCH, 3, HKV, D)
     return k_cache, (summaries, torch.full((B * SPAN + 1, HKV), -1, dtype=torch.int32))
 
 
@@ -132,14 +133,19 @@ def test_kmeans_regions_are_built_by_a_full_pass_and_widened_by_rewritten_prompt
         torch.testing.assert_close(stored[:, 2][filled], centroids.transpose(0, 1)[filled])
         assert sizes.sum(dim=1).tolist() == [prompt - SINKS - WINDOW] * HKV
     # a pass that rewrites one prompt key (a tracked row) widens its regions' bounds, the members unchanged
-    before = key_region.clone()
+    before, regions_before = key_region.clone(), summaries.clone()
     k_cache[SPAN + 100] = 50.0
     positions = torch.tensor([PROMPT[0]] * 4 + [100] + [PROMPT[1]] * 3 + [PROMPT[2]] * 4)
     kmeans_pass(k_cache, state, ["kmeans"] * B, 0.25, positions=positions)
     assert torch.equal(key_region, before)
+    widened = torch.zeros(summaries.shape[0], HKV, dtype=torch.bool)
     for h in range(HKV):
         region = key_region[SPAN + 100, h]
         assert (summaries[SPAN // CHUNK + region, 1, h] == 50.0).all()
+        widened[SPAN // CHUNK + region, h] = True
+    # the other rows (generated positions) write only into the scratch entries
+    kept, regions = ~widened[:-KMEANS_SCRATCH], slice(0, -KMEANS_SCRATCH)
+    assert torch.equal(summaries[regions].transpose(1, 2)[kept], regions_before[regions].transpose(1, 2)[kept])
 
 
 def test_kmeans_opens_the_best_regions_within_the_budget():

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention_metadata import padded_index
+from .kv_cache import KMEANS_SCRATCH
 from .regions import kmeans_assignment, region_summaries
 
 CHUNK, SINKS, WINDOW = 32, 4, 32
@@ -177,7 +178,7 @@ def update_kmeans(k_cache: torch.Tensor, summaries: torch.Tensor, key_region: to
     routing = metadata.routing
     Hkv, D = k_cache.shape[1:]
     keys = routing.keys_of_pass(metadata, Hkv)
-    scratch, scratch_row = summaries.shape[0] - 1, key_region.shape[0] - 1  # written where nothing is
+    scratch, scratch_row = summaries.shape[0] - KMEANS_SCRATCH, key_region.shape[0] - 1  # written where nothing is
     if routing.any_rebuild:
         B, K = keys.key_index.shape
         grouped = k_cache[keys.key_index].transpose(1, 2).reshape(B * Hkv, K, D)
@@ -197,7 +198,8 @@ def update_kmeans(k_cache: torch.Tensor, summaries: torch.Tensor, key_region: to
     widened &= slots != scratch_row
     region = key_region[slots].long()                                                              # [N, Hkv]
     chunk = metadata.kv_start[routing.row_request, None] // CHUNK + region
-    chunk = torch.where(widened[:, None] & (region >= 0), chunk, scratch)
+    spread = scratch + torch.arange(slots.shape[0], device=slots.device) % KMEANS_SCRATCH
+    chunk = torch.where(widened[:, None] & (region >= 0), chunk, spread[:, None])
     heads = torch.arange(Hkv, device=k_cache.device)
     flat = summaries.view(-1, D)
     for part, reduce in ((0, "amin"), (1, "amax")):
