@@ -182,13 +182,18 @@ def _reuse_pass(runner: ModelRunner, batch: DecodeBatch, reuse: CachedPass, trac
     tensors = (reuse.input_ids, reuse.positions, m.cu_seqlens_q, m.kv_start, m.kv_len, m.slot_mapping, m.track_rows,
                *drift_inputs)
     layers = functools.partial(_reuse_layers, runner.model, runner.cache, runner.kernels, m, width)
-    # A routed pass's routing (its rows in the prompt) is not among the graph's inputs.
-    if not runner.uses_graphs(reuse.input_ids.shape[0]) or m.routing is not None:
-        return layers(*tensors)
     # Captured at its exact row count: padding rows would change the GEMMs' shapes, and cuBLAS's rounding with
     # them (2 of 100 embedded trace items decoded differently in fp32 on the H200).
-    key = ("elastic reuse", m.max_q, m.max_kv, width, *((tuple(t.shape), t.dtype) for t in tensors))
-    return runner.graphs.run(key, layers, tensors)
+    return _replayed(runner, reuse, ("elastic reuse", m.max_q, m.max_kv, width), layers, tensors)
+
+
+def _replayed(runner: ModelRunner, p: CachedPass, key: tuple, layers, tensors: tuple[torch.Tensor, ...]):
+    """layers(*tensors) for the pass p, replayed from one CUDA graph per key and tensor shapes where the runner
+    replays a pass of its rows. A routed pass runs eagerly: its routing (its rows in the prompt) is not among the
+    graph's inputs."""
+    if not runner.uses_graphs(p.input_ids.shape[0]) or p.metadata.routing is not None:
+        return layers(*tensors)
+    return runner.graphs.run((*key, *((tuple(t.shape), t.dtype) for t in tensors)), layers, tensors)
 
 
 def _reuse_layers(model, cache, kernels: bool, metadata: AttentionMetadata, width: int, input_ids, positions,
@@ -238,11 +243,7 @@ def _refresh_pass(runner: ModelRunner, batch: DecodeBatch, first_layer: list[int
     tensors = (refresh.positions, m.cu_seqlens_q, m.kv_start, m.kv_len, m.slot_mapping, m.track_rows, row_start,
                runner.constant(order), key_mass)
     layers = functools.partial(_refresh_layers, runner.model, runner.cache, runner.kernels, m, lengths, starts)
-    # A routed pass's routing is not among the graph's inputs (as in the reuse pass).
-    if not runner.uses_graphs(refresh.input_ids.shape[0]) or m.routing is not None:
-        return refresh, layers(*tensors)[0]
-    key = ("elastic refresh", starts, tuple(lengths), *((tuple(t.shape), t.dtype) for t in tensors))
-    x, mass = runner.graphs.run(key, layers, tensors)
+    x, mass = _replayed(runner, refresh, ("elastic refresh", starts, tuple(lengths)), layers, tensors)
     if mass is not key_mass:  # replayed: the graph's static copy holds the refreshed layers' mass
         key_mass.copy_(mass)
     return refresh, x
