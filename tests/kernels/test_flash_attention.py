@@ -7,7 +7,8 @@ import torch
 
 from flash_dllm.cache.attention_metadata import AttentionMetadata, cu_seqlens
 from flash_dllm.kernels.attention import ragged_attention_ref
-from flash_dllm.kernels.flash_attention import TARGET_PROGRAMS, flash_attention, key_tiles, num_splits
+from flash_dllm.kernels.flash_attention import (ROUTED_BLOCK_N, TARGET_PROGRAMS, flash_attention, num_splits,
+                                                routed_keys)
 
 # (query rows per request, KV length per request, heads, kv heads, head_dim)
 CASES = {
@@ -143,7 +144,7 @@ def routed_masks(q, k_cache, table, seed=2):
     """Random routed keys [B, Hkv, max_kv] (about half)."""
     g = torch.Generator().manual_seed(seed)
     B, Hkv = table.kv_start.shape[0], k_cache.shape[1]
-    return dict(key_visible=(torch.rand(B, Hkv, table.max_kv, generator=g) < 0.5).to(DEVICE))
+    return (torch.rand(B, Hkv, table.max_kv, generator=g) < 0.5).to(DEVICE)
 
 
 @pytest.mark.parametrize("dtype, splits", DTYPE_SPLITS)
@@ -152,16 +153,17 @@ def test_routed_keys_match_reference(case, dtype, splits):
     """Each KV head reads only its routed keys; with the key mass, and in the verify pass (whose hidden keys stay
     hidden)."""
     q, k_cache, v_cache, table = make_batch(*CASES[case], dtype)
-    routing = routed_masks(q, k_cache, table)
+    visible = routed_masks(q, k_cache, table)
     mass, ref_mass = (torch.zeros(table.kv_start.shape[0], table.max_kv, device=DEVICE) for _ in range(2))
-    out = flash_attention(q, k_cache, v_cache, table, mass, splits=splits, **routing)
-    ref = ragged_attention_ref(q, k_cache, v_cache, table, ref_mass, **routing)
+    out = flash_attention(q, k_cache, v_cache, table, mass, splits=splits, routed=routed_keys(visible, table.kv_len))
+    ref = ragged_attention_ref(q, k_cache, v_cache, table, ref_mass, key_visible=visible)
     assert rel_err(out, ref) < BUDGET[dtype] and rel_err(mass, ref_mass) < BUDGET[dtype]
     q, k_cache, v_cache, table = make_batch(*CASES[case], dtype, verify=True)
     k_new, v_new = new_keys_and_values(q, k_cache)
-    routing = routed_masks(q, k_cache, table)
-    out = flash_attention(q, k_cache, v_cache, table, k_new=k_new, v_new=v_new, splits=splits, **routing)
-    ref = ragged_attention_ref(q, k_cache, v_cache, table, k_new=k_new, v_new=v_new, **routing)
+    visible = routed_masks(q, k_cache, table)
+    out = flash_attention(q, k_cache, v_cache, table, k_new=k_new, v_new=v_new, splits=splits,
+                          routed=routed_keys(visible, table.kv_len))
+    ref = ragged_attention_ref(q, k_cache, v_cache, table, k_new=k_new, v_new=v_new, key_visible=visible)
     assert rel_err(out, ref) < BUDGET[dtype]
 
 
@@ -171,7 +173,7 @@ def chunk_routed_masks(table, kv_heads, dense_request, seed=3):
     B, chunks = table.kv_start.shape[0], -(-table.max_kv // 32)
     opened = torch.rand(B, kv_heads, chunks, generator=g) < 0.1
     opened[dense_request] = True
-    return dict(key_visible=opened.repeat_interleave(32, dim=-1)[..., :table.max_kv].to(DEVICE))
+    return opened.repeat_interleave(32, dim=-1)[..., :table.max_kv].to(DEVICE)
 
 
 @pytest.mark.parametrize("dtype, splits", DTYPE_SPLITS)
@@ -179,16 +181,18 @@ def test_routed_tile_lists_visit_only_open_chunks(dtype, splits):
     """Long ranges of mostly closed chunks: the kernel visits only the listed tiles (all of them for a request that
     reads every key), with the key mass, and matches the reference."""
     q, k_cache, v_cache, table = make_batch([4, 7, 3, 2], [600, 300, 0, 420], 4, 2, 32, dtype)
-    routing = chunk_routed_masks(table, 2, dense_request=1)
-    tiles, count = key_tiles(routing["key_visible"], table, 128)
-    padded = torch.nn.functional.pad(routing["key_visible"], (0, 40))  # max_kv 600 -> 5 tiles of 128
-    listed = padded.view(4, 2, 5, 128).any(-1) & (torch.arange(5, device=DEVICE) * 128 < table.kv_len[:, None, None])
+    visible = chunk_routed_masks(table, 2, dense_request=1)
+    routed = routed_keys(visible, table.kv_len)
+    tiles, count = routed.tiles, routed.count
+    assert ROUTED_BLOCK_N == 64
+    padded = torch.nn.functional.pad(visible, (0, 40))  # max_kv 600 -> 10 tiles of 64
+    listed = padded.view(4, 2, 10, 64).any(-1) & (torch.arange(10, device=DEVICE) * 64 < table.kv_len[:, None, None])
     assert not listed[[0, 3]].all()
     assert torch.equal(count[[0, 3]], listed[[0, 3]].sum(-1, dtype=torch.int32))
-    assert count[1].tolist() == [3, 3] and count[2].tolist() == [0, 0]  # every tile of its 300 keys; no key
+    assert count[1].tolist() == [5, 5] and count[2].tolist() == [0, 0]  # every tile of its 300 keys; no key
     for b, h in [(0, 0), (0, 1), (3, 1)]:
         assert tiles[b, h, :count[b, h]].tolist() == listed[b, h].nonzero().flatten().tolist()
     mass, ref_mass = (torch.zeros(4, table.max_kv, device=DEVICE) for _ in range(2))
-    out = flash_attention(q, k_cache, v_cache, table, mass, splits=splits, **routing)
-    ref = ragged_attention_ref(q, k_cache, v_cache, table, ref_mass, **routing)
+    out = flash_attention(q, k_cache, v_cache, table, mass, splits=splits, routed=routed)
+    ref = ragged_attention_ref(q, k_cache, v_cache, table, ref_mass, key_visible=visible)
     assert rel_err(out, ref) < BUDGET[dtype] and rel_err(mass, ref_mass) < BUDGET[dtype]

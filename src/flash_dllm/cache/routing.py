@@ -301,9 +301,11 @@ def visible_keys(q: torch.Tensor, summaries: dict[int, torch.Tensor], metadata, 
         pick = (routing.policy.clamp(min=0)[:, None] == index).float().argmax(dim=1)        # [B]
         score = torch.stack(list(scores.values())).gather(0, pick[None, :, None, None].expand(1, B, Hkv, C))[0]
     width = min(max(routing.max_top_k, 1), C)
-    top = score.masked_fill(~keys.competes[:, None, :], float("-inf")).topk(width, dim=-1)
-    take = (torch.arange(width, device=q.device) < routing.top_k[:, None, None]) & (top.values > float("-inf"))
-    opened = torch.zeros(B, Hkv, C, dtype=torch.bool, device=q.device).scatter_(-1, top.indices, take)
+    # the best chunks first, equal scores in chunk order (kernels/route_chunks.py's rule)
+    ranked = score.masked_fill(~keys.competes[:, None, :], float("-inf")).sort(dim=-1, descending=True, stable=True)
+    top_values, top_indices = ranked.values[..., :width], ranked.indices[..., :width]
+    take = (torch.arange(width, device=q.device) < routing.top_k[:, None, None]) & (top_values > float("-inf"))
+    opened = torch.zeros(B, Hkv, C, dtype=torch.bool, device=q.device).scatter_(-1, top_indices, take)
     region_of = keys.chunk_of
     if kmeans is not None:  # regions of any size, opened best first while within the budget of keys
         is_kmeans = (routing.policy == POLICIES.index("kmeans"))[:, None, None]

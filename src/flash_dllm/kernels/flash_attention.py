@@ -10,13 +10,15 @@ Long prompts with few query rows (too few programs to fill the GPU) split each r
 each split writes its partial max, sum and output, a second kernel merges them in a fixed order (and gives each
 row's log-sum-exp), and the key mass is then a sweep of its own over the splits.
 
-Routed prompt keys (key_visible) are visited through a list of key tiles per (request, KV head): the tiles that
-hold a key it reads (every tile where a request's own prompt rows are in the pass), so that a step reads only
-the open chunks of a long prompt; splits then divide each list.
+Routed prompt keys (`RoutedKeys`: kernels/route_chunks.py's, or `routed_keys` of a mask) are visited through a
+list of key tiles per (request, KV head): the tiles that hold a key it reads (every tile where a request's own
+prompt rows are in the pass), so that a step reads only the open chunks of a long prompt; splits then divide
+each list. Routed launches use ROUTED_BLOCK_N-key tiles: two routing chunks, not four.
 """
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -31,11 +33,24 @@ except ImportError:  # the package imports without triton; only the kernel needs
     triton = None
 
 
+ROUTED_BLOCK_N = 64
+
+
+class RoutedKeys(NamedTuple):
+    """The cache keys each request's KV head reads in a routed pass, and the ROUTED_BLOCK_N-key tiles that hold
+    them."""
+    hidden: torch.Tensor  # [B, Hkv, max_kv] bool: keys the KV head does not read
+    tiles: torch.Tensor   # [B, Hkv, T] int32: the listed tiles' indices, ascending, in the first `count` entries
+    count: torch.Tensor   # [B, Hkv] int32
+
+
 def launch_config(max_q: int, verify: bool = False, num_seqs: int = 1, fp32: bool = False,
-                  ordered: bool = False) -> dict:
+                  ordered: bool = False, routed: bool = False) -> dict:
     """Tile sizes by query rows per request, pass kind and batch (tuned on the H200 at LLaDA-8B shapes in bf16,
     benchmarks/tune_kernels.py). ordered: one tiling for every pass (batch-invariant decoding: a row's keys are
     then summed in the same tiles whatever the batch)."""
+    if routed:
+        return {**launch_config(max_q, verify, num_seqs, fp32, ordered), "BLOCK_N": ROUTED_BLOCK_N}
     if fp32:  # twice the bytes per tile: pipelined 128-key tiles of head dim 128 overflow the 227 KB of smem
         return {**launch_config(max_q, verify, num_seqs, ordered=ordered), "BLOCK_N": 64, "num_stages": 1}
     if ordered:
@@ -67,16 +82,17 @@ def num_splits(programs: int, max_kv: int, block_n: int, key_mass: bool = False)
 
 def flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
                     key_mass: torch.Tensor | None = None, k_new: torch.Tensor | None = None,
-                    v_new: torch.Tensor | None = None, key_visible: torch.Tensor | None = None,
+                    v_new: torch.Tensor | None = None, routed: RoutedKeys | None = None,
                     splits: int | None = None) -> torch.Tensor:
     """q [N, H, D]; k_cache, v_cache [rows, Hkv, D] -> out [N, H, D] in q's dtype; a drop-in for
     ragged_attention_ref (same arguments, same result).
 
     key_mass [B, max_kv] fp32 (needs metadata.track_rows): += the softmax probability each cache key receives,
     summed over heads and tracked rows. k_new, v_new [N, Hkv, D] (with metadata.self_visibility): the rows also
-    attend to the pass's own keys, and metadata.hidden_keys hides cache keys. key_visible [B, Hkv, max_kv]
-    bool (routed prompt keys): each KV head reads only the keys it marks (the others are never loaded, and the
-    key tiles without one are never visited). A row that sees no key gets 0.
+    attend to the pass's own keys, and metadata.hidden_keys hides cache keys. routed (routed prompt keys): each
+    KV head reads only the keys it does not hide (the others are never loaded, and only its listed key tiles are
+    visited); the reference takes the mask of keys read, key_visible = ~routed.hidden. A row that sees no key
+    gets 0.
     splits: key splits per program (default: `num_splits`; always 1 in the batch-invariant mode).
     """
     if triton is None:
@@ -90,7 +106,7 @@ def flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return torch.empty_like(q)
     assert q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1
     config = launch_config(metadata.max_q, verify=has_new, num_seqs=metadata.num_seqs,
-                           fp32=q.dtype == torch.float32, ordered=metadata.ordered)
+                           fp32=q.dtype == torch.float32, ordered=metadata.ordered, routed=routed is not None)
     tiles = triton.cdiv(metadata.max_q, config["BLOCK_M"])
     if splits is None:  # the batch-invariant mode never splits: the split count depends on the batch
         splits = 1 if metadata.ordered else num_splits(metadata.num_seqs * tiles * H, metadata.max_kv,
@@ -112,11 +128,11 @@ def flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     k_new, v_new = (k_new, v_new) if has_new else (k_cache, v_cache)
     visibility = metadata.self_visibility.contiguous().view(torch.uint8) if has_new else q
     listed = listed_count = q  # unread without routing
-    if key_visible is not None:  # one mask per KV head
-        listed, listed_count = key_tiles(key_visible, metadata, config["BLOCK_N"])
-        hidden = ~key_visible if hidden is None else ~key_visible | hidden[:, None, :]
+    if routed is not None:  # one mask per KV head
+        listed, listed_count = routed.tiles, routed.count
+        hidden = routed.hidden if hidden is None else routed.hidden | hidden[:, None, :]
     hidden = hidden.contiguous().view(torch.uint8) if hidden is not None else q
-    stride_hh = hidden.stride(1) if key_visible is not None else 0
+    stride_hh = hidden.stride(1) if routed is not None else 0
     track_rows = metadata.track_rows.contiguous().view(torch.uint8) if track else q
     # Atomics would add the partial masses in a different order every run, and a near-tie in the tracked
     # set could then flip a token; partial rows summed after the launch give the same mass every time.
@@ -155,19 +171,18 @@ def flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
-def key_tiles(key_visible: torch.Tensor, metadata: AttentionMetadata,
-              block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """key_visible [B, Hkv, max_kv] -> (tiles [B, Hkv, T] int32, count [B, Hkv] int32): per request and KV head,
-    the indices of its range's key tiles of block_n keys that hold a visible key, ascending, in the first `count`
-    entries."""
+def routed_keys(key_visible: torch.Tensor, kv_len: torch.Tensor) -> RoutedKeys:
+    """key_visible [B, Hkv, max_kv] bool, kv_len [B] -> the RoutedKeys that read those keys: per request and KV
+    head, the key tiles of its range that hold a visible key (PyTorch; kernels/route_chunks.py builds them in its
+    launch)."""
     B, Hkv, K = key_visible.shape
-    T = triton.cdiv(max(K, 1), block_n)
-    listed = F.pad(key_visible, (0, T * block_n - K)).view(B, Hkv, T, block_n).any(dim=-1)
-    in_range = (torch.arange(T, device=key_visible.device) * block_n < metadata.kv_len[:, None])[:, None, :]
+    T = -(-max(K, 1) // ROUTED_BLOCK_N)
+    listed = F.pad(key_visible, (0, T * ROUTED_BLOCK_N - K)).view(B, Hkv, T, ROUTED_BLOCK_N).any(dim=-1)
+    in_range = (torch.arange(T, device=key_visible.device) * ROUTED_BLOCK_N < kv_len[:, None])[:, None, :]
     listed = listed & in_range
     index = torch.arange(T, device=key_visible.device, dtype=torch.int32)
     tiles = torch.where(listed, index, index + T).sort(dim=-1).values                # listed first, in order
-    return tiles, listed.sum(dim=-1, dtype=torch.int32)
+    return RoutedKeys(~key_visible, tiles, listed.sum(dim=-1, dtype=torch.int32))
 
 
 if triton is not None:

@@ -19,9 +19,10 @@ from ..config import ModelConfig
 from ..cache.routing import CHUNK, count_in_full, route, route_stored, update_kmeans
 from ..kernels.attention import ordered_attention, ragged_attention_ref
 from ..kernels.chunk_summaries import write_chunk_summaries
-from ..kernels.flash_attention import flash_attention
+from ..kernels.flash_attention import flash_attention, routed_keys
 from ..kernels.fused_qkv_rope import qkv_rope
 from ..kernels.invariant_matmul import invariant_matmul
+from ..kernels.route_chunks import route_chunks
 from ..kernels.rms_norm import rms_norm, rms_norm_ref
 from ..kernels.silu_mul import silu_mul, silu_mul_ref
 
@@ -178,7 +179,8 @@ class Attention(nn.Module):
     def _routed(self, q: torch.Tensor, cache: KVCache, metadata: AttentionMetadata, kernels: bool) -> dict:
         """The attention's routing argument: the cache keys each request's KV head reads this pass, where its
         prompt keys are routed. `kernels`: from the chunk summaries kept beside the cache, first rewritten where
-        the pass wrote prompt keys; else the reference's, from the cache."""
+        the pass wrote prompt keys, in two launches (k-means regions: the reference's mask, listed); else the
+        reference's, from the cache."""
         if metadata.routing is None:
             return {}
         if kernels:
@@ -194,8 +196,10 @@ class Attention(nn.Module):
         if metadata.routing.read_in_full:  # a full pass: the dense attention
             count_in_full(metadata, self.num_kv_heads)
             return {}
+        if kernels and kmeans is None:
+            return dict(routed=route_chunks(q, summaries, metadata, self.layer))
         if kernels:
-            return dict(key_visible=route_stored(q, summaries, metadata, self.layer, kmeans))
+            return dict(routed=routed_keys(route_stored(q, summaries, metadata, self.layer, kmeans), metadata.kv_len))
         return dict(key_visible=route(q, cache.k[self.layer], metadata, self.layer, kmeans))
 
     def _kernel_attention(self, x, rope, metadata, cache, key_mass) -> torch.Tensor:

@@ -1,0 +1,180 @@
+"""A routed pass's keys per layer in two launches (Triton), beside the reference (cache/routing.route_stored, whose
+mask `flash_attention.routed_keys` lists).
+
+The reference's routing costs ~25 PyTorch launches a layer (fp32 score GEMMs, a sort, gathers, scatters, the
+tile list), more than the attention saves by reading 1/8 of a prompt (H200, 8k prompt, batch 1). Here:
+- `_chunk_scores_kernel`, program (request, KV head, block of chunks): each chunk's score from the summaries kept
+  beside the cache, the largest over the pass's scoring rows and the KV head's query heads: the upper bound
+  sum_d max(q_d lo_d, q_d hi_d) (`chunk`), or q . mean (`centroid`, the bound of lo = hi = mean); requests of
+  other policies, dense or not pure return at once.
+- `_open_chunks_kernel`, program (request, KV head): the chunks opened, the top_k competing ones by score
+  (`window`: by position, `random`: by the reference's hash), found by bisection on the scores' order-preserving
+  integer bits, equal scores in chunk order; then, chunk block by chunk block, the hidden keys, the list of key
+  tiles that hold a key read, and the prompt keys read and dense (atomic adds of integers: exact in any order).
+No host syncs: graph capturable. Not for `kmeans` (regions of any size: the reference's mask, `routed_keys`).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..cache.routing import CHUNK, POLICIES, SINKS, WINDOW, route_stored
+from .flash_attention import ROUTED_BLOCK_N, RoutedKeys, routed_keys
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the reference works without triton; only the kernel needs it
+    triton = None
+
+SCORE_CHUNKS = 64   # chunks per scoring program
+WRITE_CHUNKS = 64   # chunks per block of the open-chunks program's writes
+HASH_MODULUS = 2147483647
+
+
+def route_chunks_ref(q: torch.Tensor, summaries: torch.Tensor, metadata, layer: int) -> RoutedKeys:
+    """q [N, H, D] the pass's rotated queries; summaries [cache rows / CHUNK, 3, Hkv, D] (the layer's
+    KVCache.chunk_summaries) -> the keys each request's KV head reads; adds the prompt keys read and dense to
+    metadata.routing's counters."""
+    return routed_keys(route_stored(q, summaries, metadata, layer), metadata.kv_len)
+
+
+def route_chunks(q: torch.Tensor, summaries: torch.Tensor, metadata, layer: int) -> RoutedKeys:
+    """The Triton kernels of route_chunks_ref (same arguments, same result: the scores' sums in another order)."""
+    routing = metadata.routing
+    assert "kmeans" not in routing.policies
+    B, Hkv, D = metadata.num_seqs, summaries.shape[2], summaries.shape[3]
+    K = metadata.max_kv
+    C, T = triton.cdiv(max(K, 1), CHUNK), triton.cdiv(max(K, 1), ROUTED_BLOCK_N)
+    device = q.device
+    scores = torch.empty(B, Hkv, C, dtype=torch.float32, device=device)
+    # a pass that writes the cache scores with at most a pure request's rows (PassKeys.q_index's width)
+    max_rows = min(metadata.max_q, routing.max_routed_rows) if metadata.write_cache else metadata.max_q
+    block_d = max(16, triton.next_power_of_2(D))
+    if {"chunk", "centroid"} & set(routing.policies):
+        _chunk_scores_kernel[(B, Hkv, triton.cdiv(C, SCORE_CHUNKS))](
+            q, summaries, scores, metadata.cu_seqlens_q, metadata.kv_start, metadata.kv_len, routing.policy,
+            routing.pure, max_rows, C, q.stride(0), q.stride(1), summaries.stride(0), summaries.stride(1),
+            summaries.stride(2), scores.stride(0), scores.stride(1), D, GROUP=q.shape[1] // Hkv, BLOCK_R=16,
+            BLOCK_C=SCORE_CHUNKS, BLOCK_D=block_d)
+    hidden = torch.empty(B, Hkv, K, dtype=torch.bool, device=device)
+    tiles = torch.empty(B, Hkv, T, dtype=torch.int32, device=device)
+    count = torch.empty(B, Hkv, dtype=torch.int32, device=device)
+    _open_chunks_kernel[(B, Hkv)](
+        scores, hidden.view(torch.uint8), tiles, count, routing.keys_read, routing.keys_dense, metadata.kv_len,
+        routing.prompt_len, routing.top_k, routing.policy, routing.pure, routing.batch_row, C, T, K,
+        (layer * 2654435761) % HASH_MODULUS, scores.stride(0), scores.stride(1), hidden.stride(0), hidden.stride(1),
+        tiles.stride(0), tiles.stride(1), Hkv, BLOCK_C=triton.next_power_of_2(C), WRITE_CHUNKS=WRITE_CHUNKS,
+        TILE_CHUNKS=ROUTED_BLOCK_N // CHUNK)
+    return RoutedKeys(hidden, tiles, count)
+
+
+if triton is not None:
+    # the globals a kernel reads must be constexpr
+    _CHUNK, _SINKS, _WINDOW, _MODULUS = (tl.constexpr(v) for v in (CHUNK, SINKS, WINDOW, HASH_MODULUS))
+    P_CHUNK, P_CENTROID, P_WINDOW, P_RANDOM = (tl.constexpr(POLICIES.index(p))
+                                               for p in ("chunk", "centroid", "window", "random"))
+
+    @triton.jit(do_not_specialize=["max_rows", "C"])
+    def _chunk_scores_kernel(q_ptr, sum_ptr, score_ptr, cu_q_ptr, kv_start_ptr, kv_len_ptr, policy_ptr, pure_ptr,
+                             max_rows, C, stride_qn, stride_qh, stride_sc, stride_sp, stride_sh, stride_b,
+                             stride_h, D, GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                             BLOCK_D: tl.constexpr):
+        seq, kv_head, block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        policy = tl.load(policy_ptr + seq)
+        if ((policy != P_CHUNK) & (policy != P_CENTROID)) | (tl.load(pure_ptr + seq) == 0):
+            return
+        q_begin = tl.load(cu_q_ptr + seq)
+        rows = tl.minimum(tl.load(cu_q_ptr + seq + 1) - q_begin, max_rows)
+        kv_len = tl.load(kv_len_ptr + seq)
+        o_c = block * BLOCK_C + tl.arange(0, BLOCK_C)
+        o_d = tl.arange(0, BLOCK_D)
+        m_c = (o_c < C) & (o_c * _CHUNK < kv_len)
+        m_cd = m_c[:, None] & (o_d < D)[None, :]
+        p_sum = (sum_ptr + (tl.load(kv_start_ptr + seq) // _CHUNK + o_c)[:, None] * stride_sc + kv_head * stride_sh
+                 + o_d[None, :])
+        lower_part = tl.where(policy == P_CHUNK, 0, 2)  # a centroid is the bound of lo = hi = its mean
+        upper_part = tl.where(policy == P_CHUNK, 1, 2)
+        b_lo = tl.load(p_sum + lower_part * stride_sp, mask=m_cd, other=0.0).to(tl.float32)
+        b_hi = tl.load(p_sum + upper_part * stride_sp, mask=m_cd, other=0.0).to(tl.float32)
+        best = tl.full([BLOCK_C], float("-inf"), dtype=tl.float32)
+        o_r = tl.arange(0, BLOCK_R)
+        for first in range(0, rows, BLOCK_R):
+            m_r = first + o_r < rows
+            for g in tl.static_range(GROUP):
+                b_q = tl.load(q_ptr + (q_begin + first + o_r)[:, None] * stride_qn
+                              + (kv_head * GROUP + g) * stride_qh + o_d[None, :],
+                              mask=m_r[:, None] & (o_d < D)[None, :], other=0.0).to(tl.float32)
+                b_s = (tl.dot(tl.maximum(b_q, 0.0), tl.trans(b_hi), input_precision="ieee")
+                       + tl.dot(tl.minimum(b_q, 0.0), tl.trans(b_lo), input_precision="ieee"))
+                best = tl.maximum(best, tl.max(tl.where(m_r[:, None], b_s, float("-inf")), 0))
+        tl.store(score_ptr + seq * stride_b + kv_head * stride_h + o_c, best, mask=o_c < C)
+
+    @triton.jit
+    def _chunk_order(score_ptr, o_c, policy, kv_head, random_layer, routable_end, C):
+        """Per chunk o_c: whether it competes (holds routable keys and has a score) and its score's order as an
+        int32 (larger: better; -0.0 counted as 0.0)."""
+        first = o_c * _CHUNK
+        competes = (tl.minimum(first + _CHUNK, routable_end) > tl.maximum(first, _SINKS)) & (o_c < C)
+        # (a scalar condition and a vector of them join through tl.where: the interpreter's `&` of the two is int32)
+        scored = (policy == P_CHUNK) | (policy == P_CENTROID)
+        score = tl.load(score_ptr + o_c, mask=tl.where(scored, competes, False), other=float("-inf"))
+        score = tl.where(policy == P_WINDOW, o_c.to(tl.float32), score)
+        hashed = (o_c.to(tl.int64) * 1103515245 + kv_head.to(tl.int64) * 12345 + random_layer) % _MODULUS
+        score = tl.where(policy == P_RANDOM, hashed.to(tl.float32), score)
+        score = tl.where(score == 0.0, 0.0, score)
+        competes = competes & (score > float("-inf"))
+        bits = score.to(tl.int32, bitcast=True)
+        return competes, bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+    @triton.jit(do_not_specialize=["C", "T", "K", "random_layer", "stride_sb", "stride_sh", "stride_hb",
+                                   "stride_hh", "stride_tb", "stride_th"])
+    def _open_chunks_kernel(score_ptr, hidden_ptr, tiles_ptr, count_ptr, read_ptr, dense_ptr, kv_len_ptr,
+                            prompt_ptr, top_k_ptr, policy_ptr, pure_ptr, batch_row_ptr, C, T, K, random_layer,
+                            stride_sb, stride_sh, stride_hb, stride_hh, stride_tb, stride_th, num_kv_heads,
+                            BLOCK_C: tl.constexpr, WRITE_CHUNKS: tl.constexpr, TILE_CHUNKS: tl.constexpr):
+        seq, kv_head = tl.program_id(0), tl.program_id(1)
+        kv_len = tl.load(kv_len_ptr + seq).to(tl.int32)
+        prompt = tl.minimum(tl.load(prompt_ptr + seq).to(tl.int32), kv_len)
+        policy = tl.load(policy_ptr + seq).to(tl.int32)
+        routed = (policy >= 0) & (tl.load(pure_ptr + seq) != 0)
+        routable_end = tl.minimum(tl.load(prompt_ptr + seq).to(tl.int32) - _WINDOW, kv_len)  # routable: [_SINKS, end)
+        p_score = score_ptr + seq * stride_sb + kv_head * stride_sh
+        competes, order = _chunk_order(p_score, tl.arange(0, BLOCK_C), policy, kv_head, random_layer, routable_end,
+                                       C)
+        opens = tl.where(routed, tl.minimum(tl.load(top_k_ptr + seq).to(tl.int32),
+                                            tl.sum(competes.to(tl.int32), 0)), 0)
+        # The threshold: the largest t with at least `opens` competing orders >= t (int64: no overflow).
+        low, high = tl.full([], -2147483648, tl.int64), tl.full([], 2147483647, tl.int64)
+        for _ in range(32):
+            middle = (low + high + 1) >> 1
+            enough = tl.sum((competes & (order >= middle)).to(tl.int32), 0) >= opens
+            low, high = tl.where(enough, middle, low), tl.where(enough, high, middle - 1)
+        ties_open = opens - tl.sum((competes & (order > low)).to(tl.int32), 0)  # equal to it: the first ones
+        ties_seen = tl.zeros([], tl.int32)
+        listed = tl.zeros([], tl.int32)
+        read = tl.zeros([], tl.int64)
+        o_k = tl.arange(0, _CHUNK)
+        p_hidden = hidden_ptr + seq * stride_hb + kv_head * stride_hh
+        p_tiles = tiles_ptr + seq * stride_tb + kv_head * stride_th
+        for first in range(0, C, WRITE_CHUNKS):
+            o_c = first + tl.arange(0, WRITE_CHUNKS)
+            block_competes, block_order = _chunk_order(p_score, o_c, policy, kv_head, random_layer, routable_end, C)
+            tie = block_competes & (block_order == low)
+            rank = ties_seen + tl.cumsum(tie.to(tl.int32), 0)
+            ties_seen += tl.sum(tie.to(tl.int32), 0)
+            opened = tl.where(routed, block_competes & ((block_order > low) | (tie & (rank <= ties_open))), True)
+            key = o_c[:, None] * _CHUNK + o_k[None, :]                                   # [chunks, _CHUNK]
+            routable = (key >= _SINKS) & (key < routable_end)
+            visible = (key < kv_len) & (opened[:, None] | ~routable)
+            tl.store(p_hidden + key, (~visible).to(tl.uint8), mask=key < K)
+            read += tl.sum(tl.sum((visible & (key < prompt)).to(tl.int32), 1), 0).to(tl.int64)
+            chunk_read = tl.max(visible.to(tl.int32), 1)
+            tile_read = tl.max(tl.reshape(chunk_read, [WRITE_CHUNKS // TILE_CHUNKS, TILE_CHUNKS]), 1)
+            o_t = first // TILE_CHUNKS + tl.arange(0, WRITE_CHUNKS // TILE_CHUNKS)
+            at = listed + tl.cumsum(tile_read, 0) - 1
+            tl.store(p_tiles + at, o_t, mask=(tile_read > 0) & (o_t < T))
+            listed += tl.sum(tile_read, 0)
+        tl.store(count_ptr + seq * num_kv_heads + kv_head, listed)
+        batch_row = tl.load(batch_row_ptr + seq)
+        tl.atomic_add(read_ptr + batch_row, read)
+        tl.atomic_add(dense_ptr + batch_row, prompt.to(tl.int64))

@@ -1,0 +1,85 @@
+"""The routing kernels (kernels/route_chunks.py) against their reference: the same keys hidden, tile lists and
+keys counted, for every policy but kmeans, requests dense, not pure (prompt rows in the pass) or at different
+cache offsets, budgets from nothing to everything, and equal scores (opened in chunk order)."""
+from kernel_testing import DEVICE  # first: it picks the interpreter on the CPU
+
+import pytest
+import torch
+
+from flash_dllm.cache.attention_metadata import AttentionMetadata
+from flash_dllm.cache.routing import CHUNK, PromptRouting
+from flash_dllm.kernels.route_chunks import route_chunks, route_chunks_ref
+
+HKV, GROUP, D = 2, 2, 32
+PROMPTS = [300, 260, 500, 200, 330]
+KV_START = [0, 384, 704, 1216, 1472]   # multiples of CHUNK, the ranges apart
+CACHE_ROWS = 2048
+
+
+def routed_pass(policies, budget, rows=8, not_pure=(), dtype=torch.float32, summaries=None, seed=0):
+    """`rows` query rows per request past its prompt (a request in `not_pure` has one in its prompt), random
+    queries and chunk summaries; the reference's and the kernels' RoutedKeys and keys counted."""
+    g = torch.Generator().manual_seed(seed)
+    B = len(PROMPTS)
+    lengths = [p + 40 for p in PROMPTS]
+    positions = torch.cat([torch.arange(p - (b in not_pure), p - (b in not_pure) + rows)
+                           for b, p in enumerate(PROMPTS)])
+    row_request = torch.arange(B).repeat_interleave(rows)
+    q = torch.randn(B * rows, HKV * GROUP, D, generator=g).to(dtype).to(DEVICE)
+    if summaries is None:
+        upper = torch.randn(CACHE_ROWS // CHUNK, HKV, D, generator=g)
+        lower = upper - torch.rand(CACHE_ROWS // CHUNK, HKV, D, generator=g)
+        summaries = torch.stack([lower, upper, (lower + upper) / 2], dim=1)
+    summaries = summaries.to(dtype).to(DEVICE)
+    results = []
+    for route in (route_chunks_ref, route_chunks):
+        counters = (torch.zeros(B, dtype=torch.long, device=DEVICE), torch.zeros(B, dtype=torch.long, device=DEVICE))
+        routing = PromptRouting.build(PROMPTS, lengths, [rows] * B, True, [budget] * B, policies,
+                                      row_request.to(DEVICE), positions.to(DEVICE), torch.arange(B, device=DEVICE),
+                                      *counters, lambda values: torch.tensor(values, device=DEVICE))
+        kv_start = torch.tensor(KV_START, device=DEVICE)
+        metadata = AttentionMetadata(cu_seqlens_q=torch.arange(B + 1, device=DEVICE) * rows, kv_start=kv_start,
+                                     kv_len=torch.tensor(lengths, device=DEVICE),
+                                     slot_mapping=kv_start[row_request.to(DEVICE)] + positions.to(DEVICE),
+                                     max_q=rows, max_kv=max(lengths), routing=routing)
+        results.append((route(q, summaries, metadata, layer=3), counters))
+    return results
+
+
+def assert_same(reference, kernel):
+    (ref, ref_counts), (out, counts) = reference, kernel
+    assert torch.equal(out.hidden, ref.hidden)
+    assert torch.equal(out.count, ref.count)
+    for b in range(ref.count.shape[0]):
+        for h in range(HKV):
+            assert torch.equal(out.tiles[b, h, :ref.count[b, h]], ref.tiles[b, h, :ref.count[b, h]])
+    assert all(torch.equal(a, b) for a, b in zip(counts, ref_counts))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_policy_dense_and_not_pure_requests(dtype):
+    policies = ["chunk", "centroid", "window", "random", "chunk"]
+    reference, kernel = routed_pass(policies, budget=0.3, not_pure=(4,), dtype=dtype)
+    assert_same(reference, kernel)
+    hidden = kernel[0].hidden
+    assert hidden[:4, :, :PROMPTS[0] - 40].any() and not hidden[4, :, :PROMPTS[4]].any()  # 4 reads in full
+    reference, kernel = routed_pass(["chunk", None, "random", "centroid", "window"], budget=0.5, dtype=dtype)
+    assert_same(reference, kernel)
+    assert not kernel[0].hidden[1, :, :PROMPTS[1]].any()  # a dense request
+
+
+@pytest.mark.parametrize("budget", [0.01, 1.0])
+def test_budgets_of_nothing_and_everything(budget):
+    reference, kernel = routed_pass(["chunk", "centroid", "window", "random", "chunk"], budget=budget)
+    assert_same(reference, kernel)
+    read, dense = kernel[1]
+    assert (read == dense).all() if budget == 1.0 else (read < dense).all()
+
+
+def test_equal_scores_open_in_chunk_order():
+    """Summaries of zeros score every chunk 0 (some as -0.0): the first chunks of the budget open."""
+    summaries = torch.zeros(CACHE_ROWS // CHUNK, 3, HKV, D)
+    reference, kernel = routed_pass(["chunk"] * 5, budget=0.3, summaries=summaries)
+    assert_same(reference, kernel)
+    opened = ~kernel[0].hidden[0, 0, :PROMPTS[0]]
+    assert opened[:CHUNK].all() and not opened[CHUNK:2 * CHUNK].any()  # one chunk of the budget: the first
