@@ -3,8 +3,8 @@
 # the routing's engine tests (kernel path = reference), then `bench step` routed against dense at LLaDA-8B dims
 # with the context extended (batch 8 up to 16k: a 32k batch-8 cache does not fit), optionally the routed rows of
 # another tree too (BASE=<a `git archive` of it>: the same run, one after the other), then the profile of a routed
-# dual-cache step at 8k. Run on the device: [BASE=dir] [PART=tests|bench|all] bash benchmarks/h200_routing_check.sh
-# [LENGTHS...]
+# dual-cache step at 8k. Run on the device: [BASE=dir [BASE_LENGTHS="L..."]] [PART=tests|bench|all]
+# bash benchmarks/h200_routing_check.sh [LENGTHS...]
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/long
@@ -27,16 +27,16 @@ if [ "$PART" != bench ]; then
 fi
 [ "$PART" = tests ] && exit 0
 lengths=("$@"); [ ${#lengths[@]} -eq 0 ] && lengths=(8192 32768)
-bench() {  # bench NAME TREE POLICIES...
-  local name=$1 tree=$2; shift 2
-  for length in "${lengths[@]}"; do
+bench() {  # bench NAME TREE LENGTHS POLICIES...
+  local name=$1 tree=$2 length; read -ra lens <<< "$3"; shift 3
+  for length in "${lens[@]}"; do
     batches="1 8"; [ "$length" -gt 16384 ] && batches=1
     step "${name}_$length" 200 env PYTHONPATH=$tree/src python -m flash_dllm.cli bench step --model random:/tmp/long \
         --methods dual-cache flash-cache --batch-sizes $batches --prompt-length "$length" --max-tokens 64 \
         --warmup 8 --iters 32 --kv-routing "$@" --kv-budget 0.125
   done
 }
-bench step "$PWD" dense chunk
-[ -n "${BASE:-}" ] && bench base_step "$BASE" chunk
+bench step "$PWD" "${lengths[*]}" dense chunk
+[ -n "${BASE:-}" ] && bench base_step "$BASE" "${BASE_LENGTHS:-${lengths[*]}}" chunk
 step profile 150 env PYTHONPATH=$PWD/src python benchmarks/profile_step.py --model random:/tmp/long \
     --prompt-length 8192 --max-tokens 64 --cuda-graphs on --steps 6 --cases dual-cache:1:chunk flash-cache:1:chunk

@@ -15,6 +15,8 @@ No host syncs: graph capturable. Not for `kmeans` (regions of any size: the refe
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..cache.routing import CHUNK, POLICIES, SINKS, WINDOW, route_stored
@@ -26,8 +28,8 @@ try:
 except ImportError:  # the reference works without triton; only the kernel needs it
     triton = None
 
-SCORE_CHUNKS = 64   # chunks per scoring program
-WRITE_CHUNKS = 64   # chunks per block of the open-chunks program's writes
+SCORE_CHUNKS = 32   # chunks per scoring program (batch 1, 8k prompt: 64 programs)
+WRITE_CHUNKS = 32   # chunks per block of the open-chunks program's writes
 HASH_MODULUS = 2147483647
 
 
@@ -50,12 +52,14 @@ def route_chunks(q: torch.Tensor, summaries: torch.Tensor, metadata, layer: int)
     # a pass that writes the cache scores with at most a pure request's rows (PassKeys.q_index's width)
     max_rows = min(metadata.max_q, routing.max_routed_rows) if metadata.write_cache else metadata.max_q
     block_d = max(16, triton.next_power_of_2(D))
+    # 16-bit queries and summaries through the tensor cores (the interpreter's 16-bit tl.dot is wrong)
+    dot_fp32 = torch.float32 in (q.dtype, summaries.dtype) or os.environ.get("TRITON_INTERPRET") == "1"
     if {"chunk", "centroid"} & set(routing.policies):
         _chunk_scores_kernel[(B, Hkv, triton.cdiv(C, SCORE_CHUNKS))](
             q, summaries, scores, metadata.cu_seqlens_q, metadata.kv_start, metadata.kv_len, routing.policy,
             routing.pure, max_rows, C, q.stride(0), q.stride(1), summaries.stride(0), summaries.stride(1),
-            summaries.stride(2), scores.stride(0), scores.stride(1), D, GROUP=q.shape[1] // Hkv, BLOCK_R=16,
-            BLOCK_C=SCORE_CHUNKS, BLOCK_D=block_d)
+            summaries.stride(2), scores.stride(0), scores.stride(1), D, GROUP=q.shape[1] // Hkv, BLOCK_M=64,
+            BLOCK_C=SCORE_CHUNKS, BLOCK_D=block_d, DOT_FP32=dot_fp32)
     hidden = torch.empty(B, Hkv, K, dtype=torch.bool, device=device)
     tiles = torch.empty(B, Hkv, T, dtype=torch.int32, device=device)
     count = torch.empty(B, Hkv, dtype=torch.int32, device=device)
@@ -64,7 +68,7 @@ def route_chunks(q: torch.Tensor, summaries: torch.Tensor, metadata, layer: int)
         routing.prompt_len, routing.top_k, routing.policy, routing.pure, routing.batch_row, C, T, K,
         (layer * 2654435761) % HASH_MODULUS, scores.stride(0), scores.stride(1), hidden.stride(0), hidden.stride(1),
         tiles.stride(0), tiles.stride(1), Hkv, BLOCK_C=triton.next_power_of_2(C), WRITE_CHUNKS=WRITE_CHUNKS,
-        TILE_CHUNKS=ROUTED_BLOCK_N // CHUNK)
+        TILE_CHUNKS=ROUTED_BLOCK_N // CHUNK, num_warps=1)  # one warp: the bisection's 32 reductions need no barrier
     return RoutedKeys(hidden, tiles, count)
 
 
@@ -74,11 +78,19 @@ if triton is not None:
     P_CHUNK, P_CENTROID, P_WINDOW, P_RANDOM = (tl.constexpr(POLICIES.index(p))
                                                for p in ("chunk", "centroid", "window", "random"))
 
+    @triton.jit
+    def _exact_dot(a, b, DOT_FP32: tl.constexpr):
+        """a @ b in fp32: 16-bit operands' products are exact, so the tensor cores' dot differs from the fp32 one
+        only in the order of its sums."""
+        if DOT_FP32:
+            return tl.dot(a, b, input_precision="ieee")
+        return tl.dot(a, b)
+
     @triton.jit(do_not_specialize=["max_rows", "C"])
     def _chunk_scores_kernel(q_ptr, sum_ptr, score_ptr, cu_q_ptr, kv_start_ptr, kv_len_ptr, policy_ptr, pure_ptr,
                              max_rows, C, stride_qn, stride_qh, stride_sc, stride_sp, stride_sh, stride_b,
-                             stride_h, D, GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-                             BLOCK_D: tl.constexpr):
+                             stride_h, D, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+                             BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr):
         seq, kv_head, block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         policy = tl.load(policy_ptr + seq)
         if ((policy != P_CHUNK) & (policy != P_CENTROID)) | (tl.load(pure_ptr + seq) == 0):
@@ -94,19 +106,22 @@ if triton is not None:
                  + o_d[None, :])
         lower_part = tl.where(policy == P_CHUNK, 0, 2)  # a centroid is the bound of lo = hi = its mean
         upper_part = tl.where(policy == P_CHUNK, 1, 2)
-        b_lo = tl.load(p_sum + lower_part * stride_sp, mask=m_cd, other=0.0).to(tl.float32)
-        b_hi = tl.load(p_sum + upper_part * stride_sp, mask=m_cd, other=0.0).to(tl.float32)
+        b_lo = tl.load(p_sum + lower_part * stride_sp, mask=m_cd, other=0.0)
+        b_hi = tl.load(p_sum + upper_part * stride_sp, mask=m_cd, other=0.0)
+        if DOT_FP32:
+            b_lo, b_hi = b_lo.to(tl.float32), b_hi.to(tl.float32)
         best = tl.full([BLOCK_C], float("-inf"), dtype=tl.float32)
-        o_r = tl.arange(0, BLOCK_R)
-        for first in range(0, rows, BLOCK_R):
-            m_r = first + o_r < rows
-            for g in tl.static_range(GROUP):
-                b_q = tl.load(q_ptr + (q_begin + first + o_r)[:, None] * stride_qn
-                              + (kv_head * GROUP + g) * stride_qh + o_d[None, :],
-                              mask=m_r[:, None] & (o_d < D)[None, :], other=0.0).to(tl.float32)
-                b_s = (tl.dot(tl.maximum(b_q, 0.0), tl.trans(b_hi), input_precision="ieee")
-                       + tl.dot(tl.minimum(b_q, 0.0), tl.trans(b_lo), input_precision="ieee"))
-                best = tl.maximum(best, tl.max(tl.where(m_r[:, None], b_s, float("-inf")), 0))
+        o_m = tl.arange(0, BLOCK_M)
+        for first in range(0, rows * GROUP, BLOCK_M):  # (row, query head of the KV head) pairs, BLOCK_M at a time
+            m_m = first + o_m < rows * GROUP
+            row, head = (first + o_m) // GROUP, kv_head * GROUP + (first + o_m) % GROUP
+            b_q = tl.load(q_ptr + (q_begin + row)[:, None] * stride_qn + head[:, None] * stride_qh + o_d[None, :],
+                          mask=m_m[:, None] & (o_d < D)[None, :], other=0.0)
+            if DOT_FP32:
+                b_q = b_q.to(tl.float32)
+            b_s = (_exact_dot(tl.where(b_q > 0, b_q, 0.0).to(b_q.dtype), tl.trans(b_hi), DOT_FP32)
+                   + _exact_dot(tl.where(b_q < 0, b_q, 0.0).to(b_q.dtype), tl.trans(b_lo), DOT_FP32))
+            best = tl.maximum(best, tl.max(tl.where(m_m[:, None], b_s, float("-inf")), 0))
         tl.store(score_ptr + seq * stride_b + kv_head * stride_h + o_c, best, mask=o_c < C)
 
     @triton.jit
