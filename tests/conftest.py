@@ -8,7 +8,13 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+
+# The Triton interpreter's tl.dot is numpy's matmul: OpenBLAS's Haswell sgemm kernel (the one this machine's
+# environment picks with OPENBLAS_CORETYPE=Haswell; its AVX-512 one too) rounds a row by its place in the tile
+# (OpenBLAS 0.3.31: 34 of 64 rows of a 64x32 @ 32x64 product), which the bit-identity tests of the invariant kernels
+# see as batch dependence; its SSE3 kernel (Prescott) does not. Read when numpy loads, so before torch.
+os.environ["OPENBLAS_CORETYPE"] = "Prescott"
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():  # Triton kernels run under the interpreter; read when a kernel is defined
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -88,7 +88,7 @@ class LLM:
         CUDA (the references cannot be captured).
     batch_invariant: a request decodes to the same tokens alone or in any batch, in any dtype (every reduction's
         order independent of the batch). On a GPU it needs the kernels (every GEMM through one that never splits
-        K); Elastic-Cache is batch-invariant on the CPU only so far.
+        K).
     """
 
     def __init__(self, model: str | Path | None = None, device: str | None = None,

@@ -194,19 +194,51 @@ def test_refresh_passes_replay_with_the_eager_tokens(deep_checkpoint, monkeypatc
     assert {"elastic refresh", "elastic reuse"} <= captured and llm.runner.graphs.replays > 0
 
 
-def test_drift_is_the_cosine_over_keys():
+DRIFT_MODES = {"default": {}, "ordered": dict(ordered=True), "kernels": dict(ordered=True, kernels=True)}
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernels: on the GPU, else interpreted
+
+
+@pytest.mark.parametrize("mode", DRIFT_MODES)
+def test_drift_is_the_cosine_over_keys(mode):
     """Head 0 keeps its attention row, head 1 moves it to another key: over keys the cosines are 1 and 0
-    (mean 0.5); over heads, as the published code takes it, they would average to (1/sqrt 2) / 3."""
-    before = torch.tensor([[[[1.0, 0.0, 0.0]], [[1.0, 0.0, 0.0]]]])   # [B=1, H=2, T=1, K=3]
-    after = torch.tensor([[[[1.0, 0.0, 0.0]], [[0.0, 1.0, 0.0]]]])
-    valid = torch.tensor([[True]])
+    (mean 0.5); over heads, as the published code takes it, they would average to (1/sqrt 2) / 3. In each mode
+    (the batch-invariant ones: PyTorch's, and the invariant kernels' on the GPU, here interpreted)."""
+    drift_similarity = partial(elastic.drift_similarity, **DRIFT_MODES[mode])
+    before = torch.tensor([[[[1.0, 0.0, 0.0]], [[1.0, 0.0, 0.0]]]], device=DEVICE)   # [B=1, H=2, T=1, K=3]
+    after = torch.tensor([[[[1.0, 0.0, 0.0]], [[0.0, 1.0, 0.0]]]], device=DEVICE)
+    valid = torch.tensor([[True]], device=DEVICE)
     assert drift_similarity(before, after, valid).item() == pytest.approx(0.5)
     over_heads = torch.nn.functional.cosine_similarity(before, after, dim=1).mean()
     assert over_heads.item() == pytest.approx(2 ** -0.5 / 3)
     # tracked rows that are not valid do not count; a row that tracks nothing shows no drift
     padded_before, padded_after = torch.cat([before, after], dim=2), torch.cat([after, before[:, [1, 0]]], dim=2)
-    assert drift_similarity(padded_before, padded_after, torch.tensor([[True, False]])).item() == pytest.approx(0.5)
-    assert drift_similarity(before, after, torch.tensor([[False]])).item() == 1.0
+    rows_valid = torch.tensor([[True, False]], device=DEVICE)
+    assert drift_similarity(padded_before, padded_after, rows_valid).item() == pytest.approx(0.5)
+    assert drift_similarity(before, after, torch.tensor([[False]], device=DEVICE)).item() == 1.0
+
+
+def test_the_kernel_drift_test_is_the_same_alone_and_padded():
+    """attention_rows and drift_similarity through the invariant kernels: PyTorch's within rounding, and a
+    request's bits the same alone as in a batch that pads its keys and tracked rows (and after the padding the
+    attention is exactly 0)."""
+    g = torch.Generator().manual_seed(0)
+    q, keys = (torch.randn(*shape, generator=g).bfloat16().to(DEVICE) for shape in ((2, 3, 4, 16), (2, 10, 2, 16)))
+    lengths = torch.tensor([7, 10], device=DEVICE)
+    key_valid = torch.arange(10, device=DEVICE) < lengths[:, None]
+    rows = partial(elastic.attention_rows, ordered=True, kernels=True)
+    batched = rows(q, keys, key_valid)                                               # [B, H, T, K]
+    reference = elastic.attention_rows(q, keys, key_valid)
+    assert ((batched - reference).norm() / reference.norm()).item() < 1e-5
+    assert torch.equal(rows(q[:1], keys[:1, :7], key_valid[:1, :7]), batched[:1, ..., :7])
+    assert not batched[0, ..., 7:].any()
+    assert torch.equal(rows(q[1:, :2], keys[1:], key_valid[1:]), batched[1:, :, :2])
+
+    after = rows(q + 0.3 * torch.randn(q.shape, generator=g).bfloat16().to(DEVICE), keys, key_valid)
+    valid = torch.tensor([[True, True, False], [True, True, True]], device=DEVICE)
+    drift = partial(drift_similarity, ordered=True, kernels=True)
+    similarity = drift(batched, after, valid)
+    assert torch.allclose(similarity, drift_similarity(batched, after, valid), atol=1e-6)
+    assert torch.equal(drift(batched[:1, :, :2, :7], after[:1, :, :2, :7], valid[:1, :2]), similarity[:1])
 
 
 def test_window_and_tracked_positions():

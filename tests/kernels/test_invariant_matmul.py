@@ -1,10 +1,13 @@
-"""The batch-invariant GEMM against its reference, and a row's result the same for any number of rows."""
+"""The batch-invariant GEMM and batched matmul against their references, and a row's result the same for any number
+of rows."""
 from kernel_testing import BUDGET, DEVICE, rel_err  # first: it picks the interpreter on the CPU
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from flash_dllm.kernels.invariant_matmul import config_for, invariant_matmul, invariant_matmul_ref
+from flash_dllm.kernels.invariant_matmul import (config_for, invariant_bmm, invariant_bmm_ref, invariant_matmul,
+                                                 invariant_matmul_ref, invariant_sum)
 
 SHAPES = {"one-row": (1, 40, 72), "ragged": (70, 130, 200), "wide": (9, 64, 300)}  # (M, K, N), tiles cut
 
@@ -49,3 +52,38 @@ def test_every_tiling_gives_the_same_bits(dtype, K):
     first = invariant_matmul(x, w, tilings[0])
     for tiling in tilings[1:]:
         assert torch.equal(invariant_matmul(x, w, tiling), first), tiling
+
+
+BMM_SHAPES = {"one-row": (3, 1, 40, 72), "ragged": (5, 70, 130, 90), "sum": (2, 33, 100, 1)}  # (G, M, K, N)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", BMM_SHAPES)
+def test_bmm_matches_reference(shape, dtype):
+    G, M, K, N = BMM_SHAPES[shape]
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(*s, generator=g).to(dtype).to(DEVICE) for s in ((G, M, K), (G, K, N)))
+    out = invariant_bmm(a, b, torch.float32)
+    assert out.dtype == torch.float32 and rel_err(out, invariant_bmm_ref(a, b, torch.float32)) < BUDGET[dtype]
+    assert rel_err(invariant_bmm(a.transpose(1, 2).contiguous().transpose(1, 2), b), invariant_bmm_ref(a, b)) \
+        < BUDGET[dtype]  # any strides
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bmm_an_element_is_the_same_in_any_batch_and_padding(dtype):
+    """Fewer groups, fewer rows, fewer columns, or K padded with zeros (a batch's padded key axis): same bits."""
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(6, 50, 90, generator=g).to(dtype).to(DEVICE), torch.randn(6, 90, 70, generator=g).to(dtype)
+    b = b.to(DEVICE)
+    full = invariant_bmm(a, b, torch.float32)
+    assert torch.equal(invariant_bmm(a[2:3, 7:8], b[2:3, :, 5:6], torch.float32), full[2:3, 7:8, 5:6])
+    assert torch.equal(invariant_bmm(a[1:4], b[1:4, :, :40], torch.float32), full[1:4, :, :40])
+    padded_a, padded_b = F.pad(a, (0, 77)), F.pad(b, (0, 0, 0, 77))
+    assert torch.equal(invariant_bmm(padded_a, padded_b, torch.float32), full)
+
+
+def test_sum_ignores_trailing_zeros_and_leading_shape():
+    x = torch.randn(4, 3, 70, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    total = invariant_sum(x)
+    assert total.shape == (4, 3) and rel_err(total, x.double().sum(-1).float()) < BUDGET[torch.float32]
+    assert torch.equal(invariant_sum(F.pad(x[1:2], (0, 100))), total[1:2])

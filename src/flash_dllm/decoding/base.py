@@ -110,8 +110,6 @@ class DecodingMethod:
     # `flash-dllm demo`'s rows: label -> settings (default: one row, the method's defaults).
     demo_variants: ClassVar[dict[str, dict] | None] = None
     replayable: ClassVar[bool] = False  # its step is `plan` + `run`, and `run` has no host read
-    # Batch-invariant on the kernel path (the GPU's) too: every sum of its step outside the model in one order.
-    invariant_with_kernels: ClassVar[bool] = True
 
     def validate(self, params: SamplingParams):
         """Checks across the common fields and the settings (ranges of single knobs are the settings')."""

@@ -54,6 +54,7 @@ import torch.nn.functional as F
 
 from ..cache.attention_metadata import AttentionMetadata
 from ..kernels.attention import ordered_attention, ordered_sum
+from ..kernels.invariant_matmul import invariant_bmm, invariant_sum
 from ..models.layers import Rotary, rotary_cos_sin
 from .base import DecodingMethod, check, knob
 from .parallel import ThresholdSettings
@@ -105,10 +106,14 @@ def leading_columns(mask: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
     return columns, mask.gather(1, columns)
 
 
-def attention_rows(q: torch.Tensor, keys: torch.Tensor, key_valid: torch.Tensor, ordered: bool = False) -> torch.Tensor:
+def attention_rows(q: torch.Tensor, keys: torch.Tensor, key_valid: torch.Tensor, ordered: bool = False,
+                   kernels: bool = False) -> torch.Tensor:
     """q [B, T, H, D], keys [B, K, Hkv, D], key_valid [B, K] -> softmax attention [B, H, T, K] in fp32.
-    ordered: its sums over keys in one fixed order (batch-invariant decoding)."""
+    ordered: its sums over keys in one fixed order (batch-invariant decoding), with `kernels` through the
+    invariant Triton kernels (the GPU's way: PyTorch's batched GEMMs and scans group their sums by the shape)."""
     keys = keys.repeat_interleave(q.shape[2] // keys.shape[2], dim=2)  # GQA: kv head j serves heads j*g..
+    if ordered and kernels:
+        return _invariant_attention_rows(q, keys, key_valid)
     if ordered:
         keys = keys.transpose(1, 2)
         return ordered_attention(q.transpose(1, 2), keys, torch.zeros_like(keys[..., :1]),
@@ -117,12 +122,32 @@ def attention_rows(q: torch.Tensor, keys: torch.Tensor, key_valid: torch.Tensor,
     return scores.masked_fill(~key_valid[:, None, None, :], float("-inf")).softmax(dim=-1)
 
 
-def drift_similarity(before: torch.Tensor, after: torch.Tensor, valid: torch.Tensor,
-                     ordered: bool = False) -> torch.Tensor:
+def _invariant_attention_rows(q: torch.Tensor, keys: torch.Tensor, key_valid: torch.Tensor) -> torch.Tensor:
+    """attention_rows through the invariant kernels, keys [B, K, H, D] one per query head. The key axis is the
+    batch's widest row, each row's keys first: its padding gets exact zeros after the softmax (the max is exact in
+    any order), which leave invariant_sum's sums as they are alone."""
+    (B, T, H, D), K = q.shape, keys.shape[1]
+    scores = invariant_bmm(q.transpose(1, 2).reshape(B * H, T, D), keys.permute(0, 2, 3, 1).reshape(B * H, D, K),
+                           torch.float32).view(B, H, T, K) * D ** -0.5
+    scores = scores.masked_fill(~key_valid[:, None, None, :], float("-inf"))
+    top = scores.amax(dim=-1, keepdim=True)
+    weights = torch.exp(scores - torch.where(top == float("-inf"), 0.0, top))        # 0 where not visible
+    total = invariant_sum(weights)[..., None]
+    return weights / total.masked_fill(total == 0, 1.0)
+
+
+def drift_similarity(before: torch.Tensor, after: torch.Tensor, valid: torch.Tensor, ordered: bool = False,
+                     kernels: bool = False) -> torch.Tensor:
     """before, after [B, H, T, K]: the tracked rows' attention; valid [B, T] -> [B]: their cosine over the
     key axis, averaged over heads and valid tracked rows (1, no drift, where a row tracks nothing). ordered: its
-    sums over keys and tracked rows in one fixed order (batch-invariant decoding)."""
-    if ordered:
+    sums over keys and tracked rows in one fixed order (batch-invariant decoding); with `kernels`, every sum,
+    over heads too, through invariant_sum (padded keys and tracked rows add exact zeros)."""
+    if ordered and kernels:
+        dot, before_sq, after_sq = (invariant_sum(x) for x in (before * after, before ** 2, after ** 2))
+        cosine = dot / (before_sq.sqrt() * after_sq.sqrt()).clamp(min=1e-8)                 # [B, H, T]
+        cosine = invariant_sum(cosine.transpose(1, 2)) / cosine.shape[1]                     # [B, T]
+        total = invariant_sum(torch.where(valid, cosine, 0.0))
+    elif ordered:
         dot, before_sq, after_sq = (ordered_sum(x, dim=-1) for x in (before * after, before ** 2, after ** 2))
         cosine = (dot / (before_sq.sqrt() * after_sq.sqrt()).clamp(min=1e-8)).mean(dim=1)  # [B, T]
         total = ordered_sum(torch.where(valid, cosine, 0.0), dim=1)
@@ -209,16 +234,17 @@ def _reuse_layers(model, cache, kernels: bool, metadata: AttentionMetadata, widt
     similarity = torch.ones(len(layers), B, device=input_ids.device)
     rope = Rotary.at(positions, model.config)
     x = model.embed(input_ids)
+    ordered, invariant = metadata.ordered, metadata.ordered and kernels  # invariant: the GPU's batch-invariant path
     for index, layer in enumerate(layers):
         if drift:  # before: the cached inputs' queries against the keys as cached
-            before = attention_rows(layer.queries(hidden[index][t_slot], t_cos, t_sin), cache.k[index][key_slot],
-                                    key_valid, metadata.ordered)
-            q_after = layer.queries(x[t_flat], t_cos, t_sin)
+            before = attention_rows(layer.queries(hidden[index][t_slot], t_cos, t_sin, invariant),
+                                    cache.k[index][key_slot], key_valid, ordered, kernels)
+            q_after = layer.queries(x[t_flat], t_cos, t_sin, invariant)
         hidden[index][slot_mapping] = x
         x = layer.forward_cached(x, rope, metadata, cache, key_mass[index], kernels)
         if drift:
-            after = attention_rows(q_after, cache.k[index][key_slot], key_valid, metadata.ordered)
-            similarity[index] = drift_similarity(before, after, t_valid, metadata.ordered)
+            after = attention_rows(q_after, cache.k[index][key_slot], key_valid, ordered, kernels)
+            similarity[index] = drift_similarity(before, after, t_valid, ordered, kernels)
     return x, key_mass, similarity
 
 
@@ -279,7 +305,6 @@ class Elastic(DecodingMethod):
     uses_cache = True
     caches_hidden_states = True
     uses_blocks = False
-    invariant_with_kernels = False  # its drift test sums through PyTorch's batched GEMMs and reductions
 
     def initial_state(self, length: int, device: torch.device) -> ElasticState:
         return ElasticState(newly=torch.ones(length, dtype=torch.bool, device=device),

@@ -47,9 +47,6 @@ class LLMEngine:
         if self.runner.logit_shift and not method.handles_logit_shift:
             able = ", ".join(m.name for m in METHODS.values() if m.handles_logit_shift)
             raise ValueError(f"method {method.name!r} does not handle this model's shifted logits yet; use {able}")
-        if self.runner.invariant_gemms and not method.invariant_with_kernels:
-            raise ValueError(f"method {method.name!r} is batch-invariant on the PyTorch path only so far "
-                             f"(batch_invariant with kernels=False, on the CPU)")
         if params.kv_routing is not None and self.runner.batch_invariant:
             raise ValueError("kv_routing is not batch-invariant yet: its routed attention sums keys in the default "
                              "order; drop kv_routing or batch_invariant")

@@ -7,6 +7,9 @@ element is the same chain of additions whatever the tile's rows, columns or K st
 the number of rows (few rows: narrow column tiles, so that every SM streams weights; many: large tiles), and a
 row's result still depends only on the row and the weights; it is also the same from run to run.
 `benchmarks/invariant_matmul_configs.py` checks that on the GPU (every config bit-identical) and picks them.
+(A split over K fixed by the weight's shape was measured: no faster at 144 rows, 1.4-1.5x slower at 241 rows and
+at batch 32; H200, RESULTS.md.) Also a batched matmul and a row sum with the same property, for sums over a
+batch-padded axis (Elastic-Cache's drift test).
 """
 from __future__ import annotations
 
@@ -27,6 +30,8 @@ except ImportError:  # the reference works without triton; only the kernel needs
 CONFIGS = {getattr(torch, dtype): [(most, config) for most, config in table]
            for dtype, table in json.loads((Path(__file__).parent / "invariant_matmul.json").read_text()).items()}
 GROUP_M = 8  # row tiles that walk the column tiles together (weight tiles reused from L2)
+# The one tiling of invariant_bmm (any tiling gives the same bits; one K step per dtype, as in CONFIGS).
+BMM_CONFIG = dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2)
 
 
 def invariant_matmul_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -61,6 +66,41 @@ def invariant_matmul(x: torch.Tensor, w: torch.Tensor, config: dict | None = Non
     _invariant_matmul_kernel[grid](a, w, out, M, N, K, a.stride(0), w.stride(0), out.stride(0), GROUP_M=GROUP_M,
                                    EVEN_K=K % config["BLOCK_K"] == 0, DOT_FP32=dot_fp32, **{"SWAP": False, **config})
     return out.view(*x.shape[:-1], N)
+
+
+def invariant_bmm_ref(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """a [G, M, K] @ b [G, K, N] -> [G, M, N] in out_dtype (default a's), fp32 sums."""
+    return (a.float() @ b.float()).to(out_dtype or a.dtype)
+
+
+def invariant_bmm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The Triton kernel of invariant_bmm_ref: one program per (group, tile), K walked left to right in one K step
+    per dtype, never split, so element (g, i, j) is one chain of additions whatever G, M or N, and whatever K
+    beyond the last nonzero product (exact zeros added to it leave it unchanged: a key axis padded to the batch's
+    longest row sums the same alone and in a batch). Any strides (b may be expanded over G). Graph capturable."""
+    if triton is None:
+        raise RuntimeError("invariant_bmm needs triton; use invariant_bmm_ref")
+    (G, M, K), N = a.shape, b.shape[2]
+    assert b.shape[:2] == (G, K) and b.dtype == a.dtype
+    out = torch.empty(G, M, N, dtype=out_dtype or a.dtype, device=a.device)
+    if out.numel() == 0:
+        return out
+    config = dict(BMM_CONFIG, BLOCK_K=config_for(1, a.dtype)["BLOCK_K"])
+    if N <= 16:  # a row sum (invariant_sum): the narrowest column tile tl.dot takes
+        config.update(BLOCK_M=64, BLOCK_N=16)
+    grid = (triton.cdiv(M, config["BLOCK_M"]) * triton.cdiv(N, config["BLOCK_N"]), G)
+    dot_fp32 = a.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
+    _invariant_bmm_kernel[grid](a, b, out, M, N, K, *a.stride(), *b.stride(), *out.stride(), DOT_FP32=dot_fp32,
+                                **config)
+    return out
+
+
+def invariant_sum(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] -> [...] fp32: the sum over the last axis in one order (invariant_bmm against ones), whatever
+    the leading shape, and unchanged by exact zeros appended to K (a batch's padding, masked to zero)."""
+    K = x.shape[-1]
+    ones = torch.ones(1, K, 1, dtype=x.dtype, device=x.device)
+    return invariant_bmm(x.reshape(1, -1, K), ones, torch.float32).view(x.shape[:-1])
 
 
 if triton is not None:
@@ -121,3 +161,30 @@ if triton is not None:
             tl.store(out_ptr + o_m64[None, :] * stride_om + o_n[:, None], out, mask=m_m[None, :] & (o_n < N)[:, None])
         else:
             tl.store(out_ptr + o_m64[:, None] * stride_om + o_n[None, :], out, mask=m_m[:, None] & (o_n < N)[None, :])
+
+    @triton.jit(do_not_specialize=["M", "N", "K"])
+    def _invariant_bmm_kernel(a_ptr, b_ptr, out_ptr, M, N, K, stride_ag, stride_am, stride_ak, stride_bg,
+                              stride_bk, stride_bn, stride_og, stride_om, stride_on, BLOCK_M: tl.constexpr,
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
+        # program (tile, group): out[g, tile] = a[g, rows, :] @ b[g, :, columns], K left to right
+        tiles_n = tl.cdiv(N, BLOCK_N)
+        tile, g = tl.program_id(0), tl.program_id(1).to(tl.int64)
+        o_m = (tile // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+        o_n = (tile % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+        o_k = tl.arange(0, BLOCK_K)
+        m_m, m_n = o_m < M, o_n < N
+        a_ptrs = a_ptr + g * stride_ag + o_m.to(tl.int64)[:, None] * stride_am + o_k.to(tl.int64)[None, :] * stride_ak
+        b_ptrs = b_ptr + g * stride_bg + o_k.to(tl.int64)[:, None] * stride_bk + o_n.to(tl.int64)[None, :] * stride_bn
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            in_k = o_k < K - k * BLOCK_K
+            b_a = tl.load(a_ptrs, mask=m_m[:, None] & in_k[None, :], other=0.0)
+            b_b = tl.load(b_ptrs, mask=in_k[:, None] & m_n[None, :], other=0.0)
+            if DOT_FP32:
+                acc = tl.dot(b_a.to(tl.float32), b_b.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(b_a, b_b, acc)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+        p_out = out_ptr + g * stride_og + o_m.to(tl.int64)[:, None] * stride_om + o_n.to(tl.int64)[None, :] * stride_on
+        tl.store(p_out, acc.to(out_ptr.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
