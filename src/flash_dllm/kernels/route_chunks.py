@@ -29,7 +29,9 @@ except ImportError:  # the reference works without triton; only the kernel needs
     triton = None
 
 SCORE_CHUNKS = 32   # chunks per scoring program (batch 1, 8k prompt: 64 programs)
-WRITE_CHUNKS = 32   # chunks per block of the open-chunks program's writes
+# chunks per block of the open-chunks program's writes (H200, 8k, batch 1: 13.8 us a layer with 4 warps; 20.3 with
+# one warp and 32 chunks)
+WRITE_CHUNKS = 64
 HASH_MODULUS = 2147483647
 
 
@@ -68,7 +70,7 @@ def route_chunks(q: torch.Tensor, summaries: torch.Tensor, metadata, layer: int)
         routing.prompt_len, routing.top_k, routing.policy, routing.pure, routing.batch_row, C, T, K,
         (layer * 2654435761) % HASH_MODULUS, scores.stride(0), scores.stride(1), hidden.stride(0), hidden.stride(1),
         tiles.stride(0), tiles.stride(1), Hkv, BLOCK_C=triton.next_power_of_2(C), WRITE_CHUNKS=WRITE_CHUNKS,
-        TILE_CHUNKS=ROUTED_BLOCK_N // CHUNK, num_warps=1)  # one warp: the bisection's 32 reductions need no barrier
+        TILE_CHUNKS=ROUTED_BLOCK_N // CHUNK)
     return RoutedKeys(hidden, tiles, count)
 
 
