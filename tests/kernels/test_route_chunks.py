@@ -16,28 +16,29 @@ KV_START = [0, 384, 704, 1216, 1472]   # multiples of CHUNK, the ranges apart
 CACHE_ROWS = 2048
 
 
-def routed_pass(policies, budget, rows=8, not_pure=(), dtype=torch.float32, summaries=None, seed=0):
+def routed_pass(policies, budget, rows=8, not_pure=(), dtype=torch.float32, summaries=None, seed=0,
+                prompts=PROMPTS, kv_starts=KV_START, cache_rows=CACHE_ROWS):
     """`rows` query rows per request past its prompt (a request in `not_pure` has one in its prompt), random
     queries and chunk summaries; the reference's and the kernels' RoutedKeys and keys counted."""
     g = torch.Generator().manual_seed(seed)
-    B = len(PROMPTS)
-    lengths = [p + 40 for p in PROMPTS]
+    B = len(prompts)
+    lengths = [p + 40 for p in prompts]
     positions = torch.cat([torch.arange(p - (b in not_pure), p - (b in not_pure) + rows)
-                           for b, p in enumerate(PROMPTS)])
+                           for b, p in enumerate(prompts)])
     row_request = torch.arange(B).repeat_interleave(rows)
     q = torch.randn(B * rows, HKV * GROUP, D, generator=g).to(dtype).to(DEVICE)
     if summaries is None:
-        upper = torch.randn(CACHE_ROWS // CHUNK, HKV, D, generator=g)
-        lower = upper - torch.rand(CACHE_ROWS // CHUNK, HKV, D, generator=g)
+        upper = torch.randn(cache_rows // CHUNK, HKV, D, generator=g)
+        lower = upper - torch.rand(cache_rows // CHUNK, HKV, D, generator=g)
         summaries = torch.stack([lower, upper, (lower + upper) / 2], dim=1)
     summaries = summaries.to(dtype).to(DEVICE)
     results = []
     for route in (route_chunks_ref, route_chunks):
         counters = (torch.zeros(B, dtype=torch.long, device=DEVICE), torch.zeros(B, dtype=torch.long, device=DEVICE))
-        routing = PromptRouting.build(PROMPTS, lengths, [rows] * B, True, [budget] * B, policies,
+        routing = PromptRouting.build(prompts, lengths, [rows] * B, True, [budget] * B, policies,
                                       row_request.to(DEVICE), positions.to(DEVICE), torch.arange(B, device=DEVICE),
                                       *counters, lambda values: torch.tensor(values, device=DEVICE))
-        kv_start = torch.tensor(KV_START, device=DEVICE)
+        kv_start = torch.tensor(kv_starts, device=DEVICE)
         metadata = AttentionMetadata(cu_seqlens_q=torch.arange(B + 1, device=DEVICE) * rows, kv_start=kv_start,
                                      kv_len=torch.tensor(lengths, device=DEVICE),
                                      slot_mapping=kv_start[row_request.to(DEVICE)] + positions.to(DEVICE),
@@ -83,3 +84,17 @@ def test_equal_scores_open_in_chunk_order():
     assert_same(reference, kernel)
     opened = ~kernel[0].hidden[0, 0, :PROMPTS[0]]
     assert opened[:CHUNK].all() and not opened[CHUNK:2 * CHUNK].any()  # one chunk of the budget: the first
+
+
+@pytest.mark.parametrize("zeros", [False, True])
+def test_long_prompts_span_several_blocks_of_chunks(zeros):
+    """Prompts of 4,500 and 2,300 keys: the picking program's blocks of chunks carry the count of equal scores
+    seen and of tiles listed from one block to the next (summaries of zeros: every score equal)."""
+    long = dict(prompts=[4500, 2300], kv_starts=[0, 4608], cache_rows=8192)
+    summaries = torch.zeros(8192 // CHUNK, 3, HKV, D) if zeros else None
+    for policies in (["chunk", "chunk"], ["window", "random"], ["centroid", None]):
+        reference, kernel = routed_pass(policies, budget=0.3, summaries=summaries, **long)
+        assert_same(reference, kernel)
+    if zeros:  # the first chunks of the budget, across blocks
+        opened = ~kernel[0].hidden[0, 0, :4500 - 32]
+        assert opened[:CHUNK * 30].all() and not opened[CHUNK * 50:].any()
