@@ -41,6 +41,8 @@ from .kv_cache import KMEANS_SCRATCH
 from .regions import kmeans_assignment, region_summaries
 
 CHUNK, SINKS, WINDOW = 32, 4, 32
+# `random`'s order of (chunk, KV head, layer): (chunk * A + head * B + layer * C) % M (kernels/route_chunks.py too)
+RANDOM_HASH = dict(chunk=1103515245, head=12345, layer=2654435761, modulus=2147483647)
 POLICIES = ("chunk", "centroid", "kmeans", "window", "random")
 
 
@@ -292,7 +294,8 @@ def visible_keys(q: torch.Tensor, summaries: dict[int, torch.Tensor], metadata, 
         scores["window"] = chunk_index.expand(B, Hkv, C)
     if "random" in routing.policies:
         head = torch.arange(Hkv, device=q.device)[:, None]
-        shuffled = (chunk_index.long() * 1103515245 + head * 12345 + layer * 2654435761) % 2147483647
+        shuffled = (chunk_index.long() * RANDOM_HASH["chunk"] + head * RANDOM_HASH["head"]
+                    + layer * RANDOM_HASH["layer"]) % RANDOM_HASH["modulus"]
         scores["random"] = shuffled.float().expand(B, Hkv, C)
     if len(scores) == 1:
         score = next(iter(scores.values()))

@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from ..cache.routing import CHUNK, POLICIES, SINKS, WINDOW, route_stored
+from ..cache.routing import CHUNK, POLICIES, RANDOM_HASH, SINKS, WINDOW, route_stored
 from .flash_attention import ROUTED_BLOCK_N, RoutedKeys, routed_keys
 
 try:
@@ -32,14 +32,15 @@ SCORE_CHUNKS = 32   # chunks per scoring program (batch 1, 8k prompt: 64 program
 # chunks per block of the open-chunks program's writes (H200, 8k, batch 1: 13.8 us a layer with 4 warps; 20.3 with
 # one warp and 32 chunks)
 WRITE_CHUNKS = 64
-HASH_MODULUS = 2147483647
 
 
-def route_chunks_ref(q: torch.Tensor, summaries: torch.Tensor, metadata, layer: int) -> RoutedKeys:
+def route_chunks_ref(q: torch.Tensor, summaries: torch.Tensor, metadata, layer: int,
+                     kmeans: tuple[torch.Tensor, torch.Tensor] | None = None) -> RoutedKeys:
     """q [N, H, D] the pass's rotated queries; summaries [cache rows / CHUNK, 3, Hkv, D] (the layer's
     KVCache.chunk_summaries) -> the keys each request's KV head reads; adds the prompt keys read and dense to
-    metadata.routing's counters."""
-    return routed_keys(route_stored(q, summaries, metadata, layer), metadata.kv_len)
+    metadata.routing's counters. kmeans: the layer's k-means regions, where the pass has kmeans requests (which
+    only this reference routes)."""
+    return routed_keys(route_stored(q, summaries, metadata, layer, kmeans), metadata.kv_len)
 
 
 def route_chunks(q: torch.Tensor, summaries: torch.Tensor, metadata, layer: int) -> RoutedKeys:
@@ -68,7 +69,7 @@ def route_chunks(q: torch.Tensor, summaries: torch.Tensor, metadata, layer: int)
     _open_chunks_kernel[(B, Hkv)](
         scores, hidden.view(torch.uint8), tiles, count, routing.keys_read, routing.keys_dense, metadata.kv_len,
         routing.prompt_len, routing.top_k, routing.policy, routing.pure, routing.batch_row, C, T, K,
-        (layer * 2654435761) % HASH_MODULUS, scores.stride(0), scores.stride(1), hidden.stride(0), hidden.stride(1),
+        layer * RANDOM_HASH["layer"] % RANDOM_HASH["modulus"], scores.stride(0), scores.stride(1), hidden.stride(0), hidden.stride(1),
         tiles.stride(0), tiles.stride(1), Hkv, BLOCK_C=triton.next_power_of_2(C), WRITE_CHUNKS=WRITE_CHUNKS,
         TILE_CHUNKS=ROUTED_BLOCK_N // CHUNK)
     return RoutedKeys(hidden, tiles, count)
@@ -76,7 +77,8 @@ def route_chunks(q: torch.Tensor, summaries: torch.Tensor, metadata, layer: int)
 
 if triton is not None:
     # the globals a kernel reads must be constexpr
-    _CHUNK, _SINKS, _WINDOW, _MODULUS = (tl.constexpr(v) for v in (CHUNK, SINKS, WINDOW, HASH_MODULUS))
+    _CHUNK, _SINKS, _WINDOW = (tl.constexpr(v) for v in (CHUNK, SINKS, WINDOW))
+    _HASH_CHUNK, _HASH_HEAD, _MODULUS = (tl.constexpr(RANDOM_HASH[part]) for part in ("chunk", "head", "modulus"))
     P_CHUNK, P_CENTROID, P_WINDOW, P_RANDOM = (tl.constexpr(POLICIES.index(p))
                                                for p in ("chunk", "centroid", "window", "random"))
 
@@ -136,7 +138,7 @@ if triton is not None:
         scored = (policy == P_CHUNK) | (policy == P_CENTROID)
         score = tl.load(score_ptr + o_c, mask=tl.where(scored, competes, False), other=float("-inf"))
         score = tl.where(policy == P_WINDOW, o_c.to(tl.float32), score)
-        hashed = (o_c.to(tl.int64) * 1103515245 + kv_head.to(tl.int64) * 12345 + random_layer) % _MODULUS
+        hashed = (o_c.to(tl.int64) * _HASH_CHUNK + kv_head.to(tl.int64) * _HASH_HEAD + random_layer) % _MODULUS
         score = tl.where(policy == P_RANDOM, hashed.to(tl.float32), score)
         score = tl.where(score == 0.0, 0.0, score)
         competes = competes & (score > float("-inf"))
@@ -151,10 +153,11 @@ if triton is not None:
                             BLOCK_C: tl.constexpr, WRITE_CHUNKS: tl.constexpr, TILE_CHUNKS: tl.constexpr):
         seq, kv_head = tl.program_id(0), tl.program_id(1)
         kv_len = tl.load(kv_len_ptr + seq).to(tl.int32)
-        prompt = tl.minimum(tl.load(prompt_ptr + seq).to(tl.int32), kv_len)
+        prompt_len = tl.load(prompt_ptr + seq).to(tl.int32)
+        prompt = tl.minimum(prompt_len, kv_len)
         policy = tl.load(policy_ptr + seq).to(tl.int32)
         routed = (policy >= 0) & (tl.load(pure_ptr + seq) != 0)
-        routable_end = tl.minimum(tl.load(prompt_ptr + seq).to(tl.int32) - _WINDOW, kv_len)  # routable: [_SINKS, end)
+        routable_end = tl.minimum(prompt_len - _WINDOW, kv_len)  # routable: [_SINKS, end)
         p_score = score_ptr + seq * stride_sb + kv_head * stride_sh
         competes, order = _chunk_order(p_score, tl.arange(0, BLOCK_C), policy, kv_head, random_layer, routable_end,
                                        C)

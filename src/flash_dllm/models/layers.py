@@ -16,13 +16,13 @@ from torch import nn
 from ..cache.attention_metadata import AttentionMetadata
 from ..cache.kv_cache import KVCache
 from ..config import ModelConfig
-from ..cache.routing import CHUNK, count_in_full, route, route_stored, update_kmeans
+from ..cache.routing import CHUNK, count_in_full, route, update_kmeans
 from ..kernels.attention import ordered_attention, ragged_attention_ref
 from ..kernels.chunk_summaries import write_chunk_summaries
-from ..kernels.flash_attention import flash_attention, routed_keys
+from ..kernels.flash_attention import flash_attention
 from ..kernels.fused_qkv_rope import qkv_rope
 from ..kernels.invariant_matmul import invariant_matmul
-from ..kernels.route_chunks import route_chunks
+from ..kernels.route_chunks import route_chunks, route_chunks_ref
 from ..kernels.rms_norm import rms_norm, rms_norm_ref
 from ..kernels.silu_mul import silu_mul, silu_mul_ref
 
@@ -199,7 +199,7 @@ class Attention(nn.Module):
         if kernels and kmeans is None:
             return dict(routed=route_chunks(q, summaries, metadata, self.layer))
         if kernels:
-            return dict(routed=routed_keys(route_stored(q, summaries, metadata, self.layer, kmeans), metadata.kv_len))
+            return dict(routed=route_chunks_ref(q, summaries, metadata, self.layer, kmeans))
         return dict(key_visible=route(q, cache.k[self.layer], metadata, self.layer, kmeans))
 
     def _kernel_attention(self, x, rope, metadata, cache, key_mass) -> torch.Tensor:
