@@ -41,7 +41,8 @@ def make_engine(llm, method, batch, prompt_length, max_tokens, routing=None, bud
     cfg = llm.config
     row_bytes = KVCache.bytes_per_row(cfg, llm.dtype, decoding.caches_hidden_states)
     runner = RecordingRunner(llm.model, kernels=llm.runner.kernels, cuda_graphs=llm.runner.cuda_graphs,
-                             kv_cache_bytes=batch * (prompt_length + max_tokens) * row_bytes)
+                             kv_cache_bytes=batch * (prompt_length + max_tokens) * row_bytes,
+                             batch_invariant=llm.runner.batch_invariant)
     engine = LLMEngine(runner, dataclasses.replace(llm.special, stop_ids=()), batch)
     g = torch.Generator().manual_seed(0)
     for _ in range(batch):
@@ -63,9 +64,10 @@ def main():
     ap.add_argument("--prompt-length", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--batch-invariant", action="store_true")
     args = ap.parse_args()
     llm = LLM(args.model, device="cuda", dtype=args.dtype, kernels=args.kernels == "on",
-              cuda_graphs=args.cuda_graphs == "on")
+              cuda_graphs=args.cuda_graphs == "on", batch_invariant=args.batch_invariant)
     summary = []
     for case in args.cases:
         method, batch, *routing = case.split(":")

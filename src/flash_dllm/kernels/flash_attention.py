@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache.attention_metadata import AttentionMetadata
-from .attention import ordered_sum
+from .invariant_matmul import invariant_sum
 
 try:
     import triton
@@ -66,7 +66,8 @@ def launch_config(max_q: int, verify: bool = False, num_seqs: int = 1, fp32: boo
 
 # Enough programs to fill the H200's 132 SMs about twice; fewer, over at least SPLIT_MIN_KEYS keys, and a launch
 # splits each request's keys (below that the merge costs more than the split saves: H200, 768 keys). With the
-# key mass, whose split sweep reads K again, from SPLIT_MIN_KEYS_WITH_MASS (H200: 0.97-0.99x at 8k, 1.07x at 32k).
+# key mass, whose split sweep reads K again, from SPLIT_MIN_KEYS_WITH_MASS (H200: 0.97-0.99x at 8k, 1.07x at 32k);
+# routed, the sweep reads only the listed tiles: from SPLIT_MIN_KEYS (H200, 1/8 of 8k keys, batch 1: 2.7x).
 TARGET_PROGRAMS = 264
 SPLIT_MIN_KEYS, SPLIT_MIN_KEYS_WITH_MASS = 4096, 16384
 MIN_SPLIT_TILES = 2  # a split covers at least this many key tiles
@@ -110,7 +111,7 @@ def flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     tiles = triton.cdiv(metadata.max_q, config["BLOCK_M"])
     if splits is None:  # the batch-invariant mode never splits: the split count depends on the batch
         splits = 1 if metadata.ordered else num_splits(metadata.num_seqs * tiles * H, metadata.max_kv,
-                                                        config["BLOCK_N"], track)
+                                                        config["BLOCK_N"], track and routed is None)
     kv_chunk = triton.cdiv(triton.cdiv(max(metadata.max_kv, 1), splits), config["BLOCK_N"]) * config["BLOCK_N"]
     grid = (metadata.num_seqs, tiles, H * splits)
     # A verify pass may end in padding rows that belong to no request (cuda_graphs.pad_verify_pass): no
@@ -167,7 +168,7 @@ def flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                 BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_D=block_d, DOT_FP32=dot_fp32,
                 num_warps=config["num_warps"], num_stages=config["num_stages"])
     if track:  # ordered: the rows of the other requests' extra query tiles are zeros after this one's
-        key_mass += ordered_sum(partial, dim=1) if metadata.ordered else partial.sum(dim=1)
+        key_mass += invariant_sum(partial.transpose(1, 2)) if metadata.ordered else partial.sum(dim=1)
     return out
 
 
