@@ -4,8 +4,9 @@ time against cuBLAS per row count, to fill kernels/invariant_matmul.py's CONFIGS
 
     PYTHONPATH=src python benchmarks/invariant_matmul_configs.py [--rows 1 16 55 144 ...] [--write]
 
---write stores the best tiling of each row count (the four layer GEMMs' sum) as the bf16 and fp16 tables of
-kernels/invariant_matmul.json, all of one K step (the one with the least time over the row counts: the CPU
+--write stores the best tilings of each row count as the bf16 and fp16 tables of kernels/invariant_matmul.json:
+one for the wide GEMMs (qkv, gate_up: their time summed) and one for the narrow (o, down: no more outputs than
+inputs), all of one K step (the one with the least time over the row counts: the CPU
 interpreter's dot sums a whole K step at once, so only there does the K step change the bits); it refuses when
 any tiling gives other bits.
 """
@@ -23,7 +24,8 @@ from flash_dllm.kernels.invariant_matmul import CONFIGS, invariant_matmul
 from flash_dllm.models.loader import random_config
 from gemm_rows import timed_us  # benchmarks/: one CUDA-graph timing for both GEMM benchmarks
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SWAP: weights as the MMA's rows, for few input rows)
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SWAP: weights as the MMA's rows, for few input rows[, TAIL:
+# rows after BLOCK_M in the same row tile, a second accumulator])
 CANDIDATES = [(64, 32, 128, 4, 4, False), (64, 64, 64, 4, 6, False), (64, 64, 128, 4, 4, False),
               (64, 128, 64, 4, 4, False), (64, 256, 64, 4, 3, False), (128, 128, 64, 4, 4, False),
               (128, 128, 64, 8, 3, False), (128, 256, 64, 8, 4, False), (256, 128, 64, 8, 3, False),
@@ -31,14 +33,18 @@ CANDIDATES = [(64, 32, 128, 4, 4, False), (64, 64, 64, 4, 6, False), (64, 64, 12
               (16, 64, 128, 4, 4, True), (16, 128, 64, 4, 4, True), (32, 64, 128, 4, 4, True),
               (32, 128, 64, 4, 4, True), (64, 64, 128, 4, 4, True), (64, 128, 64, 4, 4, True),
               (128, 64, 64, 4, 4, True), (128, 128, 64, 8, 3, True), (256, 64, 64, 8, 3, True),
-              (256, 128, 64, 8, 3, True)]
+              (256, 128, 64, 8, 3, True), (64, 64, 64, 4, 4, True, 16), (64, 64, 64, 4, 4, True, 32),
+              (128, 64, 64, 4, 4, True, 16), (128, 64, 64, 8, 4, True, 16), (128, 128, 64, 8, 3, True, 16),
+              (128, 64, 64, 4, 4, True, 32), (128, 64, 64, 4, 4, True, 64), (128, 64, 64, 8, 3, True, 128),
+              (128, 128, 64, 8, 3, True, 128), (128, 32, 64, 4, 4, True, 16), (128, 32, 64, 4, 6, True, 16)]
 
 
 REPLAYS = 20
 
 
 def as_config(c):
-    return dict(BLOCK_M=c[0], BLOCK_N=c[1], BLOCK_K=c[2], num_warps=c[3], num_stages=c[4], SWAP=c[5])
+    return dict(BLOCK_M=c[0], BLOCK_N=c[1], BLOCK_K=c[2], num_warps=c[3], num_stages=c[4], SWAP=c[5],
+                TAIL=c[6] if len(c) > 6 else 0)
 
 
 def main():
@@ -73,7 +79,7 @@ def main():
     print("| rows | cuBLAS layer | table layer | x cuBLAS | best layer | x cuBLAS | best tiling | per-GEMM best "
           "| cuBLAS lm_head | best lm_head | lm_head tiling |")
     print("|---" * 11 + "|")
-    layer = ("qkv", "o", "gate_up", "down")
+    layer, wide, narrow = ("qkv", "o", "gate_up", "down"), ("qkv", "gate_up"), ("o", "down")
     chosen = {k_step: [] for k_step in sorted({c[2] for c in CANDIDATES})}
     for rows in sorted(args.rows):
         cublas = {n: timed_us(lambda: F.linear(inputs[n][:rows], w), REPLAYS) for n, w in weights.items()}
@@ -82,8 +88,10 @@ def main():
                      for n, w in weights.items()} for c in CANDIDATES}
         best = min(CANDIDATES, key=lambda c: sum(times[c][n] for n in layer))
         for k_step, picks in chosen.items():
-            pick = min((c for c in CANDIDATES if c[2] == k_step), key=lambda c: sum(times[c][n] for n in layer))
-            picks.append((rows, pick, sum(times[pick][n] for n in layer) / sum(cublas[n] for n in layer)))
+            pick = {names: min((c for c in CANDIDATES if c[2] == k_step), key=lambda c: sum(times[c][n] for n in names))
+                    for names in (wide, narrow)}
+            spent = sum(times[pick[names]][n] for names in (wide, narrow) for n in names)
+            picks.append((rows, (pick[wide], pick[narrow]), spent / sum(cublas[n] for n in layer)))
         best_layer = sum(times[best][n] for n in layer)
         per_gemm = sum(min(times[c][n] for c in CANDIDATES) for n in layer)
         head = min(CANDIDATES, key=lambda c: times[c]["lm_head"])
@@ -98,9 +106,10 @@ def main():
     ratios = {k: ", ".join(f"{r:.2f}" for *_, r in picks) for k, picks in chosen.items()}
     print("\nx cuBLAS by K step: " + "; ".join(f"{k}: {r}" for k, r in ratios.items()))
     table = []
-    for (rows, tiling), following in zip(picks, picks[1:] + [(None, None)]):
-        if tiling != following[1]:  # the last row count of a run of one tiling
-            table.append([rows if following[0] is not None else None, as_config(tiling)])
+    for (rows, tilings), following in zip(picks, picks[1:] + [(None, None)]):
+        if tilings != following[1]:  # the last row count of a run of the same tilings
+            table.append([rows if following[0] is not None else None, as_config(tilings[0])]
+                         + ([as_config(tilings[1])] if tilings[1] != tilings[0] else []))
     print(f"\nbefore: {CONFIGS[torch.bfloat16]}\nbest: {table}")
     if args.write:
         if not identical:

@@ -46,12 +46,25 @@ def test_every_tiling_gives_the_same_bits(dtype, K):
     element's sums (the K step is the dtype's one: the interpreter sums a K step at once)."""
     x, w = operands(70, K, 200, dtype)
     k_step = config_for(1, dtype)["BLOCK_K"]
-    tilings = [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k_step, SWAP=swap, num_warps=4, num_stages=3)
-               for m, n, swap in ((64, 32, False), (64, 128, False), (128, 64, False), (32, 64, False),
-                                  (16, 64, True), (64, 128, True))]
+    tilings = [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k_step, SWAP=swap, TAIL=tail, num_warps=4, num_stages=3)
+               for m, n, swap, tail in ((64, 32, False, 0), (64, 128, False, 0), (128, 64, False, 0),
+                                        (32, 64, False, 0), (16, 64, True, 0), (64, 128, True, 0),
+                                        (64, 64, True, 16), (32, 64, True, 16))]  # tails: one row tile, three
     first = invariant_matmul(x, w, tilings[0])
     for tiling in tilings[1:]:
         assert torch.equal(invariant_matmul(x, w, tiling), first), tiling
+
+
+@pytest.mark.parametrize("N", [100, 200])  # the table's narrow (N <= K) and wide tilings
+def test_the_tables_tilings_with_a_tail(N):
+    """140 rows: a row tile of 128 and a tail of 16 (wide), or 64 and 16 (narrow), in the kernel's second
+    accumulator; the reference's result and a row's bits alone."""
+    assert config_for(140, torch.bfloat16)["TAIL"] and config_for(140, torch.bfloat16, narrow=True)["TAIL"]
+    x, w = operands(140, 130, N, torch.bfloat16)
+    batched = invariant_matmul(x, w)
+    assert rel_err(batched, invariant_matmul_ref(x, w)) < BUDGET[torch.bfloat16]
+    for rows in (slice(0, 1), slice(130, 131), slice(70, 140)):
+        assert torch.equal(invariant_matmul(x[rows], w), batched[rows])
 
 
 BMM_SHAPES = {"one-row": (3, 1, 40, 72), "ragged": (5, 70, 130, 90), "sum": (2, 33, 100, 1)}  # (G, M, K, N)
