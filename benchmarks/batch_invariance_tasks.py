@@ -20,7 +20,8 @@ def main():
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
-    llms = {size: LLM(device=args.device, dtype=args.dtype, max_batch_size=size, batch_invariant=True) for size in (1, 8, 32)}
+    llms = {size: LLM(device=args.device, dtype=args.dtype, max_batch_size=size, batch_invariant=True)
+            for size in (1, 8, 32)}
     rows = []
     for method in args.methods:
         params = SamplingParams(method=method, max_tokens=128, block_length=32)

@@ -27,7 +27,8 @@ def main():
     runs = [("parallel", None, None, dict(method="parallel"))]
     runs += [("flash-cache", beta_t, None, dict(method="flash-cache", tracking_budget=beta_t))
              for beta_t in args.tracking_budgets]
-    runs += [("flash-verify", beta_t, gamma, dict(method="flash-verify", tracking_budget=beta_t, verify_threshold=gamma))
+    runs += [("flash-verify", beta_t, gamma,
+              dict(method="flash-verify", tracking_budget=beta_t, verify_threshold=gamma))
              for beta_t in args.tracking_budgets for gamma in args.gammas]
     rows, points = [], []
     for label, beta_t, gamma, kwargs in runs:

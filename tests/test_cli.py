@@ -56,7 +56,8 @@ def test_errors_are_reported_not_raised(tmp_path, capsys):
 
 
 def test_demo(capsys):
-    assert main(["demo", "--device", "cpu", "--items", "2", "--methods", "parallel", "--tasks", "arith", "passkey"]) == 0
+    assert main(["demo", "--device", "cpu", "--items", "2", "--methods", "parallel",
+                 "--tasks", "arith", "passkey"]) == 0
     table = capsys.readouterr().out
     assert "| parallel | arith | 2 |" in table and "| parallel | passkey@256 | 2 |" in table
 

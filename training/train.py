@@ -87,7 +87,7 @@ def collate(pairs, device):
     for row, (prompt, answer) in enumerate(pairs):
         ids[row, width - ANSWER_TOKENS - len(prompt):] = np.concatenate([prompt, answer])
         mask[row, width - ANSWER_TOKENS - len(prompt):] = True
-    ids, mask = torch.from_numpy(ids).to(device, non_blocking=True), torch.from_numpy(mask).to(device, non_blocking=True)
+    ids, mask = (torch.from_numpy(a).to(device, non_blocking=True) for a in (ids, mask))
     return ids, mask
 
 

@@ -235,7 +235,8 @@ def cmd_bench(args):
                    for rows in (None, args.block_length)]  # the reference code's full LM head, then ours
         print(format_table(results))
         return
-    switches = f"kernels {'on' if llm.runner.kernels else 'off'}, CUDA graphs {'on' if llm.runner.cuda_graphs else 'off'}"
+    kernels, graphs = ("on" if flag else "off" for flag in (llm.runner.kernels, llm.runner.cuda_graphs))
+    switches = f"kernels {kernels}, CUDA graphs {graphs}"
     if args.bench == "generate":
         print(f"# prompt {args.prompt_length}, generation {args.max_tokens}, one timed LLM.generate call per row "
               f"after a warm-up call; {switches}")

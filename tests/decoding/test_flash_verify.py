@@ -38,9 +38,10 @@ def verify_pass(model, cache, ids, drafts, mask_id):
     valid = torch.ones_like(role, dtype=torch.bool)
     hidden_keys = torch.zeros(1, len(ids), dtype=torch.bool)
     hidden_keys[0, columns] = True
-    table = AttentionMetadata(cu_seqlens_q=torch.tensor([0, 12]), kv_start=torch.tensor([0]), kv_len=torch.tensor([len(ids)]),
-                       slot_mapping=torch.tensor(columns), max_q=12, max_kv=len(ids), write_cache=False,
-                       hidden_keys=hidden_keys, self_visibility=verify_visibility(role, rank, valid))
+    table = AttentionMetadata(cu_seqlens_q=torch.tensor([0, 12]), kv_start=torch.tensor([0]),
+                              kv_len=torch.tensor([len(ids)]), slot_mapping=torch.tensor(columns), max_q=12,
+                              max_kv=len(ids), write_cache=False, hidden_keys=hidden_keys,
+                              self_visibility=verify_visibility(role, rank, valid))
     before = [k.clone() for k in cache.k]
     hidden = model.forward_cached(torch.tensor(tokens), torch.tensor(columns), table, cache)
     assert all(torch.equal(a, b) for a, b in zip(before, cache.k)), "the verify pass wrote the cache"

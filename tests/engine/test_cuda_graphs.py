@@ -114,10 +114,11 @@ def test_graphs_need_the_kernels_on_a_gpu(gqa_checkpoint):
 def test_signature_tells_apart_every_shape_a_pass_depends_on():
     def key(counts, max_kv, write_cache=True, track=False, mass=False):
         n = sum(counts)
-        table = AttentionMetadata(cu_seqlens_q=cu_seqlens(counts, "cpu"), kv_start=torch.zeros(len(counts), dtype=torch.long),
-                           kv_len=torch.full((len(counts),), max_kv), slot_mapping=torch.arange(n),
-                           max_q=max(counts), max_kv=max_kv, write_cache=write_cache,
-                           track_rows=torch.ones(n, dtype=torch.bool) if track else None)
+        table = AttentionMetadata(cu_seqlens_q=cu_seqlens(counts, "cpu"),
+                                  kv_start=torch.zeros(len(counts), dtype=torch.long),
+                                  kv_len=torch.full((len(counts),), max_kv), slot_mapping=torch.arange(n),
+                                  max_q=max(counts), max_kv=max_kv, write_cache=write_cache,
+                                  track_rows=torch.ones(n, dtype=torch.bool) if track else None)
         return signature(torch.zeros(n, dtype=torch.long), table, torch.zeros(len(counts), max_kv) if mass else None)
 
     base = key([4, 4], 20)

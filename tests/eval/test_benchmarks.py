@@ -32,7 +32,8 @@ def test_math_and_mbpp_prompts(tmp_path):
     assert math500.prompt.count("Final Answer: The final answer is") == 4 and math500.prompt.endswith("\n\nSolution:")
     mbpp = get_benchmark("mbpp")
     prompt = mbpp.prompt({"text": "Write a function f.", "test_list": ["assert f() == 1"]}, chat=False)
-    assert prompt.count("[BEGIN]\n") == 4 and prompt.count("[DONE]") == 3 and prompt.endswith("assert f() == 1\n[BEGIN]\n")
+    assert prompt.count("[BEGIN]\n") == 4 and prompt.count("[DONE]") == 3
+    assert prompt.endswith("assert f() == 1\n[BEGIN]\n")
 
 
 def test_humaneval_prompts():

@@ -13,10 +13,12 @@ from flash_dllm import LLM, SamplingParams
 from flash_dllm.cache import KVCache
 
 # Completion prompts are raw text: the embedded model's chat template written out.
-TEMPLATE = "<|startoftext|><|start_header_id|>user<|end_header_id|>\n\n{}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+TEMPLATE = ("<|startoftext|><|start_header_id|>user<|end_header_id|>\n\n{}<|eot_id|>"
+            "<|start_header_id|>assistant<|end_header_id|>\n\n")
 QUESTION_TEXT = "Tom has 3 apples. Anna has 4 more apples than Tom. How many apples does Anna have?"
 QUESTION = TEMPLATE.format(QUESTION_TEXT)
-PROGRAM = TEMPLATE.format("What does this program print?\na = 2\na = a * 3\nfor x in range(3):\n    a = a + x\nprint(a)")
+PROGRAM = TEMPLATE.format("What does this program print?\na = 2\na = a * 3\nfor x in range(3):\n"
+                          "    a = a + x\nprint(a)")
 # A request that runs for seconds: one token per step in random order, and done only when every position
 # before the first eos is decoded.
 SLOW = {"method": "reference", "remasking": "random", "max_tokens": 512, "block_length": 512, "steps": 512}
@@ -336,7 +338,8 @@ def test_too_many_prompts_for_the_server_is_400_not_429(client):
 def test_errors_outside_the_api_keep_openais_shape(client):
     missing = client.get("/v1/nothing")
     assert missing.status_code == 404 and "message" in missing.json()["error"]
-    garbled = client.post("/v1/completions", content=b'{"prompt": "\xff"}', headers={"content-type": "application/json"})
+    garbled = client.post("/v1/completions", content=b'{"prompt": "\xff"}',
+                          headers={"content-type": "application/json"})
     assert garbled.status_code == 400 and "message" in garbled.json()["error"]
 
 

@@ -69,9 +69,9 @@ def route_chunks(q: torch.Tensor, summaries: torch.Tensor, metadata, layer: int)
     _open_chunks_kernel[(B, Hkv)](
         scores, hidden.view(torch.uint8), tiles, count, routing.keys_read, routing.keys_dense, metadata.kv_len,
         routing.prompt_len, routing.top_k, routing.policy, routing.pure, routing.batch_row, C, T, K,
-        layer * RANDOM_HASH["layer"] % RANDOM_HASH["modulus"], scores.stride(0), scores.stride(1), hidden.stride(0), hidden.stride(1),
-        tiles.stride(0), tiles.stride(1), Hkv, BLOCK_C=triton.next_power_of_2(C), WRITE_CHUNKS=WRITE_CHUNKS,
-        TILE_CHUNKS=ROUTED_BLOCK_N // CHUNK)
+        layer * RANDOM_HASH["layer"] % RANDOM_HASH["modulus"], scores.stride(0), scores.stride(1), hidden.stride(0),
+        hidden.stride(1), tiles.stride(0), tiles.stride(1), Hkv, BLOCK_C=triton.next_power_of_2(C),
+        WRITE_CHUNKS=WRITE_CHUNKS, TILE_CHUNKS=ROUTED_BLOCK_N // CHUNK)
     return RoutedKeys(hidden, tiles, count)
 
 
