@@ -57,13 +57,12 @@ def farthest_directions(directions: torch.Tensor, valid: torch.Tensor, count: in
     similar to those taken (a deterministic k-means++). `count` sequential steps: the cost of a rebuild at long
     prompts (a parallel split into halves took duplicate seeds, and k-means kept two clusters merged)."""
     G, P, D = directions.shape
-    first = valid.long().argmax(dim=1)
-    taken = directions.gather(1, first[:, None, None].expand(G, 1, D))
-    nearest = (directions @ taken.transpose(1, 2))[..., 0].masked_fill(~valid, float("inf"))  # [G, P]
-    for _ in range(1, count):
-        pick = directions.gather(1, nearest.argmin(dim=1)[:, None, None].expand(G, 1, D))
-        taken = torch.cat([taken, pick], dim=1)
-        nearest = torch.maximum(nearest, (directions @ pick.transpose(1, 2))[..., 0])
+    taken = directions.new_empty(G, count, D)
+    taken[:, :1] = directions.gather(1, valid.long().argmax(dim=1)[:, None, None].expand(G, 1, D))
+    nearest = (directions @ taken[:, :1].transpose(1, 2))[..., 0].masked_fill(~valid, float("inf"))  # [G, P]
+    for index in range(1, count):
+        taken[:, index:index + 1] = directions.gather(1, nearest.argmin(dim=1)[:, None, None].expand(G, 1, D))
+        nearest = torch.maximum(nearest, (directions @ taken[:, index:index + 1].transpose(1, 2))[..., 0])
     return taken
 
 
