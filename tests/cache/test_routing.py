@@ -9,7 +9,6 @@ import torch
 from flash_dllm import LLM, SamplingParams
 from types import SimpleNamespace
 
-from flash_dllm.cache.kv_cache import KMEANS_SCRATCH
 from flash_dllm.cache.regions import kmeans_assignment, region_summaries
 from flash_dllm.cache.routing import (CHUNK, POLICIES, SINKS, WINDOW, PromptRouting, chunks_opened, route,
                                       summarise, update_kmeans, visible_keys)
@@ -83,10 +82,10 @@ def test_chunk_scores_find_the_needle_and_the_controls_do_not():
 SPAN = 320  # each request's cache range in the k-means passes (a multiple of CHUNK)
 
 
-def kmeans_pass(k_cache, state, policies, budget, counts=None, positions=None, q=None):
-    """One pass over the flat cache k_cache [B * SPAN + 1, HKV, D] (requests at multiples of SPAN, the last row a
-    scratch): 4 rows per request past its prompt, or `counts` rows at `positions` (a full pass: every position);
-    it writes nothing new, updates the k-means regions `state` and returns the keys read [B, HKV, K]."""
+def kmeans_pass(cache, policies, budget, counts=None, positions=None, q=None):
+    """One pass over the flat cache (`kmeans_cache`; requests at multiples of SPAN, the last row a scratch): 4 rows
+    per request past its prompt, or `counts` rows at `positions` (a full pass: every position); it writes nothing
+    new, updates the k-means regions and their layout and returns the keys read [B, HKV, K]."""
     routing = routing_of(policies, budget, positions, counts)
     counts = counts or [4] * B
     starts = torch.arange(B) * SPAN
@@ -95,72 +94,81 @@ def kmeans_pass(k_cache, state, policies, budget, counts=None, positions=None, q
     metadata = SimpleNamespace(cu_seqlens_q=torch.tensor([0, *counts]).cumsum(0), max_q=max(counts), max_kv=K,
                                kv_len=kv_len, kv_start=starts, write_cache=True, routing=routing,
                                slot_mapping=starts[routing.row_request] + positions)
-    update_kmeans(k_cache, *state, metadata)
+    update_kmeans(cache.k, cache.v, *cache.state, metadata)
     if q is None:
         q = torch.randn(sum(counts), HKV * GROUP, D, generator=torch.Generator().manual_seed(1))
-    return route(q, k_cache, metadata, 0, kmeans=state) if not routing.read_in_full else None, routing
+    return route(q, cache.k, metadata, 0, kmeans=cache.state) if not routing.read_in_full else None, routing
 
 
 def kmeans_cache():
-    """Random keys in the flat layout, and an empty k-means state beside them (KVCache.kmeans_regions')."""
+    """Random keys and values in the flat layout, and an empty k-means state beside them (KVCache.kmeans_regions':
+    the region summaries with one scratch entry, each row's region)."""
     g = torch.Generator().manual_seed(2)
-    k_cache = torch.randn(B * SPAN + 1, HKV, D, generator=g)
-    summaries = torch.zeros(B * SPAN // CHUNK + KMEANS_SCRATCH, 3, HKV, D)
-    return k_cache, (summaries, torch.full((B * SPAN + 1, HKV), -1, dtype=torch.int32))
+    k, v = (torch.randn(B * SPAN + 1, HKV, D, generator=g) for _ in range(2))
+    summaries = torch.zeros(B * SPAN // CHUNK + 1, 3, HKV, D)
+    return SimpleNamespace(k=k, v=v, state=(summaries, torch.full((B * SPAN + 1, HKV), -1, dtype=torch.int32)))
 
 
-def full_pass(k_cache, state):
+def full_pass(cache):
     lengths = [p + 40 for p in PROMPT]
     positions = torch.cat([torch.arange(n) for n in lengths])
-    return kmeans_pass(k_cache, state, ["kmeans"] * B, 0.25, counts=lengths, positions=positions)
+    return kmeans_pass(cache, ["kmeans"] * B, 0.25, counts=lengths, positions=positions)
 
 
-def test_kmeans_regions_are_built_by_a_full_pass_and_widened_by_rewritten_prompt_keys():
-    k_cache, state = kmeans_cache()
-    summaries, key_region = state
-    _, routing = full_pass(k_cache, state)
+def test_kmeans_regions_are_built_by_a_full_pass_and_laid_out_region_after_region():
+    cache = kmeans_cache()
+    summaries, key_region = cache.state
+    before_k, before_v = cache.k.clone(), cache.v.clone()
+    _, routing = full_pass(cache)
     assert routing.any_rebuild and routing.read_in_full
+    position = torch.arange(K)
     for b, prompt in enumerate(PROMPT):
         rows = slice(b * SPAN, b * SPAN + K)
-        keys = k_cache[rows].transpose(0, 1)                                                # [HKV, K, D]
-        routable = (torch.arange(K) >= SINKS) & (torch.arange(K) < prompt - WINDOW)
+        keys = before_k[rows].transpose(0, 1)                                               # [HKV, K, D]
+        routable = (position >= SINKS) & (position < prompt - WINDOW)
         assign = kmeans_assignment(keys, CHUNK, routable.expand(HKV, K))
-        assert torch.equal(key_region[b * SPAN:b * SPAN + prompt + 40].T.long(), assign[:, :prompt + 40])
         centroids, lower, upper, sizes = region_summaries(keys, assign, -(-K // CHUNK))
         stored = summaries[b * SPAN // CHUNK:(b + 1) * SPAN // CHUNK][:len(sizes[0])]       # [C, 3, HKV, D]
         filled = sizes.T > 0
         torch.testing.assert_close(stored[:, 0][filled], lower.transpose(0, 1)[filled])
         torch.testing.assert_close(stored[:, 2][filled], centroids.transpose(0, 1)[filled])
         assert sizes.sum(dim=1).tolist() == [prompt - SINKS - WINDOW] * HKV
-    # a pass that rewrites one prompt key (a tracked row) widens its regions' bounds, the members unchanged
-    before, regions_before = key_region.clone(), summaries.clone()
-    k_cache[SPAN + 100] = 50.0
-    positions = torch.tensor([PROMPT[0]] * 4 + [100] + [PROMPT[1]] * 3 + [PROMPT[2]] * 4)
-    kmeans_pass(k_cache, state, ["kmeans"] * B, 0.25, positions=positions)
-    assert torch.equal(key_region, before)
-    widened = torch.zeros(summaries.shape[0], HKV, dtype=torch.bool)
-    for h in range(HKV):
-        region = key_region[SPAN + 100, h]
-        assert (summaries[SPAN // CHUNK + region, 1, h] == 50.0).all()
-        widened[SPAN // CHUNK + region, h] = True
-    # the other rows (generated positions) write only into the scratch entries
-    kept, regions = ~widened[:-KMEANS_SCRATCH], slice(0, -KMEANS_SCRATCH)
-    assert torch.equal(summaries[regions].transpose(1, 2)[kept], regions_before[regions].transpose(1, 2)[kept])
+        for h in range(HKV):
+            # the routable run holds the same (K, V) pairs, region after region, by position within a region
+            order = SINKS + assign[h, routable].sort(stable=True).indices
+            run = rows.start + position[routable]
+            assert torch.equal(cache.k[run, h], before_k[rows.start + order, h])
+            assert torch.equal(cache.v[run, h], before_v[rows.start + order, h])
+            assert torch.equal(key_region[run, h].long(), assign[h, order])
+            # the sinks, the window and the generated part stay where they are, as does every other request's row
+            kept = rows.start + position[~routable]
+            assert torch.equal(cache.k[kept, h], before_k[kept, h]) and torch.equal(cache.v[kept, h], before_v[kept, h])
+            assert (key_region[kept[kept < rows.start + prompt + 40], h] == -1).all()
 
 
-def test_kmeans_opens_the_best_regions_within_the_budget():
-    k_cache, state = kmeans_cache()
-    k_cache[SPAN + 100:SPAN + 164:2] = 3.0  # a needle of 32 keys, not contiguous: one region holds them
-    full_pass(k_cache, state)
+def test_kmeans_opens_the_best_regions_within_the_budget_as_contiguous_runs():
+    cache = kmeans_cache()
+    cache.k[SPAN + 100:SPAN + 164:2] = 3.0  # a needle of 32 keys, not contiguous: one region holds them
+    full_pass(cache)
+    _, key_region = cache.state
     q = torch.randn(4 * B, HKV * GROUP, D, generator=torch.Generator().manual_seed(1)).abs()
-    visible, routing = kmeans_pass(k_cache, state, ["kmeans"] * B, 0.5, q=q)
-    assert visible[1][:, 100:164:2].all()  # the needle's region is opened for every head
+    visible, routing = kmeans_pass(cache, ["kmeans"] * B, 0.5, q=q)
     position = torch.arange(K)
+    for h in range(HKV):  # the needle's region, now one range of rows, is opened for every head
+        needle = (cache.k[SPAN:SPAN + K, h] == 3.0).all(dim=-1)
+        region = key_region[SPAN:SPAN + K, h][needle].unique()
+        held = position[key_region[SPAN:SPAN + K, h] == region]
+        assert len(region) == 1 and held[-1] - held[0] == len(held) - 1 and visible[1][h, held].all()
     for b, prompt in enumerate(PROMPT):
-        routed = visible[b][:, (position >= SINKS) & (position < prompt - WINDOW)].sum(dim=1)
+        run = (position >= SINKS) & (position < prompt - WINDOW)
+        routed = visible[b][:, run]
         budget = chunks_opened(prompt, 0.5) * CHUNK
-        assert (routed > 0).all() and (routed <= budget).all()
+        assert (routed.sum(dim=1) > 0).all() and (routed.sum(dim=1) <= budget).all()
         assert visible[b][:, prompt:prompt + 40].all() and not visible[b][:, prompt + 40:].any()
+        for h in range(HKV):  # each opened region is one contiguous range of rows
+            regions = key_region[b * SPAN + position[run], h][routed[h]]
+            starts = routed[h].long().diff().clamp(min=0).sum() + routed[h][0].long()
+            assert starts <= len(regions.unique())
     assert (routing.keys_read < routing.keys_dense).all()
 
 
@@ -214,9 +222,19 @@ def test_a_small_budget_reads_less_and_the_kernels_route_as_the_reference(gqa_ch
         prompts(2), params, use_tqdm=False) for kernels in (False, True)}
     assert [o.token_ids for o in outputs[True]] == [o.token_ids for o in outputs[False]]
     assert [o.prompt_kv_read for o in outputs[True]] == [o.prompt_kv_read for o in outputs[False]]
-    # Elastic-Cache's steps recompute tracked prompt positions, and those read every prompt key for them.
-    most = 1.0 if knobs["method"] == "elastic" else 0.99
-    assert all(0 < o.prompt_kv_read <= most for o in outputs[False])
+    assert all(0 < o.prompt_kv_read <= 0.99 for o in outputs[False])  # Elastic-Cache's routed prompt is frozen too
+
+
+@pytest.mark.parametrize("knobs", CACHED, ids=lambda k: k["method"])
+def test_kmeans_routes_every_cached_method(gqa_checkpoint, knobs):
+    """k-means regions, rebuilt and laid out region after region at each full pass (Dual-Cache's blocks,
+    Elastic-Cache's refreshes), under every cached method: each request finishes having read less than its
+    prompt."""
+    llm = LLM(gqa_checkpoint, device="cpu", dtype="float32")
+    params = SamplingParams(max_tokens=16, block_length=8, threshold=1.0, kv_routing="kmeans", kv_budget=0.5,
+                            **knobs)
+    outputs = llm.generate(prompts(), params, use_tqdm=False)
+    assert all(o.error is None and len(o.token_ids) > 0 and 0 < o.prompt_kv_read < 1 for o in outputs)
 
 
 def test_settings_are_checked(gqa_checkpoint):

@@ -15,9 +15,6 @@ import torch
 from ..config import ModelConfig
 
 ALIGN = 32  # rows; routing.CHUNK divides it
-# Scratch entries after the k-means regions: a pass's rows that widen no region (most of them) write there, spread
-# over these, so that their atomic min and max do not all queue on one address.
-KMEANS_SCRATCH = 64
 
 
 class KVCache:
@@ -54,13 +51,13 @@ class KVCache:
 
     def kmeans_regions(self, chunk: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The k-means regions of routed prompts (cache/routing.py's `kmeans` policy), allocated at first use:
-        per layer [rows / chunk (rounded up) + KMEANS_SCRATCH, 3, kv_heads, head_dim]: the lower bounds, upper
-        bounds and mean of each region's keys, region r of the request whose range starts at row s kept at
-        s / chunk + r (the last KMEANS_SCRATCH entries: scratch that no region owns); and [num_rows + 1, kv_heads]
-        int32: each key's region (-1: none)."""
+        per layer [rows / chunk (rounded up) + 1, 3, kv_heads, head_dim]: the lower bounds, upper bounds and mean
+        of each region's keys, region r of the request whose range starts at row s kept at s / chunk + r (the last
+        entry: scratch that no region owns); and [num_rows + 1, kv_heads] int32: the region of the key each cache
+        row holds (-1: none; the rows of a prompt's routable keys hold them region after region)."""
         if self._kmeans is None:
             k = self.k[0]
-            shape = (-(-k.shape[0] // chunk) + KMEANS_SCRATCH, 3, *k.shape[1:])
+            shape = (-(-k.shape[0] // chunk) + 1, 3, *k.shape[1:])
             self._kmeans = ([torch.zeros(shape, dtype=k.dtype, device=k.device) for _ in self.k],
                             [torch.full(k.shape[:2], -1, dtype=torch.int32, device=k.device) for _ in self.k])
         return self._kmeans

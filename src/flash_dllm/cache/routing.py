@@ -11,22 +11,24 @@ WINDOW positions), which are always open. Policies (`SamplingParams.kv_routing`)
     kmeans    k-means regions instead of chunks (cache/regions.py: about CHUNK keys each, similar keys wherever
               they are), scored by their bounds, opened best first while the keys read stay within the budget
               (never above it: at most the chunks' bytes); built when a pass writes a request's whole sequence
-              (a prefill, Dual-Cache's full pass), their bounds widened when a pass rewrites some prompt keys
-              (the regions keep their members until the next rebuild);
+              (a prefill, Dual-Cache's full pass, Elastic-Cache's refreshed layers), and the keys then laid out
+              region after region per KV head, so that an opened region is one contiguous range of rows;
     window    the chunks nearest the prompt's end (a control: recency alone);
     random    a fixed pseudo-random order per (layer, KV head, chunk) (a control at equal bytes).
-A request's budget (`kv_budget`, a fraction of its prompt's keys) counts the sinks and the window. A pass with
-rows in the request's prompt (a full pass, or rows whose keys it rewrites) reads the request's keys in full, for
-every row: those rows must (routed, their keys drift from the prompt's meaning: passkey retrieval failed with
-Flash-Cache's tracked prompt rows routed), and once the prompt is read for them, the other rows read it too.
+A request's budget (`kv_budget`, a fraction of its prompt's keys) counts the sinks and the window. A routed
+prompt is frozen between full passes: no method recomputes its positions in a step (Flash-Cache and
+Elastic-Cache track only generated positions; routed, recomputed prompt keys drift from the prompt's meaning:
+passkey retrieval failed with Flash-Cache's tracked prompt rows routed). A pass with rows in the request's prompt
+(a full pass; on an architecture with shifted logits, the prompt's last position) reads its keys in full, for
+every row.
 
 Chunks are the cache's own (requests start at multiples of CHUNK rows, kv_cache.ALIGN). `route` is the
 reference: it summarises the chunks from the cache at every step. `route_stored` reads the summaries kept beside
 the cache (KVCache.chunk_summaries), which kernels/chunk_summaries.py rewrites for the chunks that a pass's
 prompt rows write; the attention kernel then visits only the open chunks. What does not depend on the layer is
 computed once per pass (`PassKeys`): a step's routing is a handful of launches per layer. K-means regions are
-kept beside the cache too (KVCache.kmeans_regions), built in PyTorch on both paths; the kernel visits the key
-tiles holding an opened key (a region-ordered layout, which would visit only the opened keys, is not built).
+kept beside the cache too (KVCache.kmeans_regions), built and routed in PyTorch on both paths; in their
+region-ordered layout the kernel's list of key tiles holding an opened key is about the opened keys' own.
 """
 from __future__ import annotations
 
@@ -37,7 +39,6 @@ import torch
 import torch.nn.functional as F
 
 from .attention_metadata import padded_index
-from .kv_cache import KMEANS_SCRATCH
 from .regions import kmeans_assignment, region_summaries
 
 CHUNK, SINKS, WINDOW = 32, 4, 32
@@ -93,7 +94,9 @@ class PromptRouting:
         """Per request: prompt and sequence lengths, query rows in the pass, budget and policy; whether the pass
         writes the cache (a verify pass may hold two views of a position); row_request, positions [N]: each query
         row's request and position. `constant`: host list -> device tensor (the runner's, which keeps repeating
-        lists on the device)."""
+        lists on the device). A budget of 1 reads every key: such a request is dense (its keys still counted), and
+        builds no k-means regions (its steps may recompute prompt positions, which the regions' layout forbids)."""
+        policies = [policy if budget < 1 else None for policy, budget in zip(policies, budgets)]
         top_k = [chunks_opened(length, budget) if policy else 0
                  for length, budget, policy in zip(prompt_lens, budgets, policies)]
         prompt_len = constant(prompt_lens)
@@ -173,40 +176,50 @@ def count_in_full(metadata, num_kv_heads: int):
     routing.keys_dense.index_add_(0, routing.batch_row, dense)
 
 
-def update_kmeans(k_cache: torch.Tensor, summaries: torch.Tensor, key_region: torch.Tensor, metadata):
-    """After a pass wrote the layer's cache: the k-means regions (KVCache.kmeans_regions' layer entries) of the
-    kmeans requests whose whole sequence it wrote are rebuilt from their routable prompt keys; where it rewrote
-    some prompt keys of another request, those keys widen the bounds of the regions they belong to."""
+def update_kmeans(k_cache: torch.Tensor, v_cache: torch.Tensor, summaries: torch.Tensor, key_region: torch.Tensor,
+                  metadata):
+    """After a pass wrote the layer's cache: the kmeans requests whose whole sequence it wrote get new k-means
+    regions (KVCache.kmeans_regions' layer entries: each region's summary, each cache row's region per KV head)
+    from their routable prompt keys, and those keys are laid out region after region, per KV head, in K and V
+    (`region_layout`): a step that opens a region reads one contiguous range of rows. No other pass writes a
+    kmeans request's routable keys (the others write its generated part, or the last prompt positions, which stay
+    where they are; a routed prompt is never recomputed in a step), so the layout holds until the next rebuild."""
     routing = metadata.routing
+    if not routing.any_rebuild:
+        return
     Hkv, D = k_cache.shape[1:]
     keys = routing.keys_of_pass(metadata, Hkv)
-    scratch, scratch_row = summaries.shape[0] - KMEANS_SCRATCH, key_region.shape[0] - 1  # written where nothing is
-    if routing.any_rebuild:
-        B, K = keys.key_index.shape
-        grouped = k_cache[keys.key_index].transpose(1, 2).reshape(B * Hkv, K, D)
-        assign = kmeans_assignment(grouped, CHUNK, keys.routable.repeat_interleave(Hkv, dim=0))
-        C = keys.cache_chunk.shape[1]
-        centroids, lower, upper, _ = region_summaries(grouped, assign, C)
-        parts = torch.stack([lower, upper, centroids], dim=1).view(B, Hkv, 3, C, D).permute(0, 3, 2, 1, 4)
-        in_range = torch.arange(C, device=k_cache.device) * CHUNK < metadata.kv_len[:, None]
-        chunk = torch.where(routing.rebuilds[:, None] & in_range, keys.cache_chunk, scratch)        # [B, C]
-        summaries[chunk] = torch.nan_to_num(parts, posinf=0.0, neginf=0.0).to(summaries.dtype)    # empty: zeros
-        key_valid = torch.arange(K, device=k_cache.device) < metadata.kv_len[:, None]
-        rows = torch.where(routing.rebuilds[:, None] & key_valid, keys.key_index, scratch_row)
-        key_region[rows] = assign.view(B, Hkv, K).transpose(1, 2).to(key_region.dtype)
-    slots = metadata.slot_mapping
-    kmeans_rows = routing.policy[routing.row_request] == POLICIES.index("kmeans")
-    widened = routing.prompt_rows & kmeans_rows & ~routing.rebuilds[routing.row_request]
-    widened &= slots != scratch_row
-    region = key_region[slots].long()                                                              # [N, Hkv]
-    chunk = metadata.kv_start[routing.row_request, None] // CHUNK + region
-    spread = scratch + torch.arange(slots.shape[0], device=slots.device) % KMEANS_SCRATCH
-    chunk = torch.where(widened[:, None] & (region >= 0), chunk, spread[:, None])
-    heads = torch.arange(Hkv, device=k_cache.device)
-    flat = summaries.view(-1, D)
-    for part, reduce in ((0, "amin"), (1, "amax")):
-        index = ((chunk * 3 + part) * Hkv + heads).flatten()
-        flat.scatter_reduce_(0, index[:, None].expand(-1, D), k_cache[slots].flatten(0, 1), reduce)
+    B, K = keys.key_index.shape
+    grouped = k_cache[keys.key_index].transpose(1, 2).reshape(B * Hkv, K, D)
+    assign = kmeans_assignment(grouped, CHUNK, keys.routable.repeat_interleave(Hkv, dim=0)).view(B, Hkv, K)
+    C = keys.cache_chunk.shape[1]
+    centroids, lower, upper, _ = region_summaries(grouped, assign.flatten(0, 1), C)
+    parts = torch.stack([lower, upper, centroids], dim=1).view(B, Hkv, 3, C, D).permute(0, 3, 2, 1, 4)
+    in_range = torch.arange(C, device=k_cache.device) * CHUNK < metadata.kv_len[:, None]
+    scratch = summaries.shape[0] - 1  # written where nothing is: the requests that do not rebuild
+    chunk = torch.where(routing.rebuilds[:, None] & in_range, keys.cache_chunk, scratch)            # [B, C]
+    summaries[chunk] = torch.nan_to_num(parts, posinf=0.0, neginf=0.0).to(summaries.dtype)        # empty: zeros
+    order = region_layout(assign, keys.routable)                                                  # [B, Hkv, K]
+    key_valid = torch.arange(K, device=k_cache.device) < metadata.kv_len[:, None]
+    rows = torch.where(routing.rebuilds[:, None] & key_valid, keys.key_index, key_region.shape[0] - 1)  # [B, K]
+    heads = torch.arange(Hkv, device=k_cache.device)[:, None]
+    source = keys.key_index[:, None, :].expand(B, Hkv, K).gather(2, order) * Hkv + heads         # [B, Hkv, K]
+    target = rows[:, None, :] * Hkv + heads
+    for cache in (k_cache, v_cache):
+        flat = cache.view(-1, D)
+        flat[target.flatten()] = flat[source.flatten()]
+    key_region.view(-1)[target.flatten()] = assign.gather(2, order).flatten().to(key_region.dtype)
+
+
+def region_layout(assign: torch.Tensor, routable: torch.Tensor) -> torch.Tensor:
+    """assign [B, Hkv, K] (each key's region, -1: none), routable [B, K] bool (a contiguous run of positions) ->
+    [B, Hkv, K] long: the key each position holds in the region-ordered layout: the routable run holds its keys
+    region after region (by position within a region); every other position keeps its key."""
+    K = assign.shape[-1]
+    position = torch.arange(K, device=assign.device)
+    first = routable.long().argmax(dim=1)[:, None, None]  # the run's first position (0: no run)
+    rank = torch.where(routable[:, None, :], K + assign, position + torch.where(position < first, 0, 2 * K))
+    return rank.sort(dim=-1, stable=True).indices
 
 
 def kmeans_inputs(state: tuple[torch.Tensor, torch.Tensor] | None, keys: PassKeys):
@@ -297,7 +310,9 @@ def visible_keys(q: torch.Tensor, summaries: dict[int, torch.Tensor], metadata, 
         shuffled = (chunk_index.long() * RANDOM_HASH["chunk"] + head * RANDOM_HASH["head"]
                     + layer * RANDOM_HASH["layer"]) % RANDOM_HASH["modulus"]
         scores["random"] = shuffled.float().expand(B, Hkv, C)
-    if len(scores) == 1:
+    if not scores:  # every request dense (a budget of 1): nothing competes
+        score = torch.zeros(B, Hkv, C, device=q.device)
+    elif len(scores) == 1:
         score = next(iter(scores.values()))
     else:  # each request its own policy's
         index = torch.tensor([POLICIES.index(p) for p in scores], device=q.device)

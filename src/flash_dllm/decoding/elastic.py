@@ -8,7 +8,8 @@ A sequence's first pass computes every position. Each later step queries the pos
     newly    the positions decoded in the previous step;
     tracked  per layer, the `track_num` positions, among those decoded before the previous step, to which
              the window's queries gave the most softmax attention in it (summed over heads and window
-             rows), united over layers;
+             rows), united over layers (not the prompt's positions where its KV is routed: a routed prompt
+             is frozen between full passes, cache/routing.py);
 and reads every other position, the masks beyond the window included, from the cache: K/V and each
 layer's input hidden state (`KVCache.hidden_states`). The window is decoded with the parallel threshold
 rule; the LM head runs on the window's logit rows only. On an architecture with shifted logits (Dream:
@@ -315,6 +316,10 @@ class Elastic(DecodingMethod):
         B, width = tokens.shape
         window = window_mask(tokens, batch.gen_start, settings.mask_window, mask_id, batch.stop_ids)
         decoded = batch.attention_mask & (tokens != mask_id)  # before this step: the keys that may be tracked
+        routed = [row.params.routes_prompt for row in batch.rows]
+        if any(routed):  # a routed prompt is frozen between full passes (cache/routing.py): never tracked
+            prompt = torch.arange(width, device=tokens.device) < batch.gen_start
+            decoded &= ~(runner.constant(routed).bool()[:, None] & prompt)
         drift = not all(row.is_first_pass for row in batch.rows)  # some row is past its first pass
         counts = [row.length if row.next_query_rows is None else row.next_query_rows for row in batch.rows]
         batch.count_query_rows(counts)

@@ -192,7 +192,7 @@ class Attention(nn.Module):
         if "kmeans" in metadata.routing.policies:
             kmeans = tuple(part[self.layer] for part in cache.kmeans_regions(CHUNK))
             if metadata.write_cache:
-                update_kmeans(cache.k[self.layer], *kmeans, metadata)
+                update_kmeans(cache.k[self.layer], cache.v[self.layer], *kmeans, metadata)
         if metadata.routing.read_in_full:  # a full pass: the dense attention
             count_in_full(metadata, self.num_kv_heads)
             return {}
