@@ -3,8 +3,9 @@
 # the routing's engine tests (kernel path = reference), then `bench step` routed against dense at LLaDA-8B dims
 # with the context extended (batch 8 up to 16k: a 32k batch-8 cache does not fit), optionally the routed rows of
 # another tree too (BASE=<a `git archive` of it>: the same run, one after the other), then the profile of a routed
-# dual-cache step at 8k (PROFILE=0: not). Run on the device: [BASE=dir [BASE_LENGTHS="L..."]] [PART=tests|bench|all]
-# bash benchmarks/h200_routing_check.sh [LENGTHS...]
+# dual-cache step at 8k (PROFILE=0: not). More policies benched: POLICIES="kmeans ..."; more profiled cases:
+# PROFILE_CASES="flash-cache:1:kmeans ...". Run on the device:
+# [BASE=dir [BASE_LENGTHS="L..."]] [PART=tests|bench|all] bash benchmarks/h200_routing_check.sh [LENGTHS...]
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/long
@@ -36,7 +37,7 @@ bench() {  # bench NAME TREE LENGTHS POLICIES...
         --warmup 8 --iters 32 --kv-routing "$@" --kv-budget 0.125
   done
 }
-bench step "$PWD" "${lengths[*]}" dense chunk
+bench step "$PWD" "${lengths[*]}" dense chunk ${POLICIES:-}
 [ -n "${BASE:-}" ] && bench base_step "$BASE" "${BASE_LENGTHS:-${lengths[*]}}" chunk
 [ "${PROFILE:-1}" = 1 ] && step profile 150 env PYTHONPATH=$PWD/src python benchmarks/profile_step.py --model random:/tmp/long \
-    --prompt-length 8192 --max-tokens 64 --cuda-graphs on --steps 6 --cases dual-cache:1:chunk flash-cache:1:chunk
+    --prompt-length 8192 --max-tokens 64 --cuda-graphs on --steps 6 --cases dual-cache:1:chunk flash-cache:1:chunk ${PROFILE_CASES:-}
