@@ -22,7 +22,7 @@ if [ "$PART" != bench ]; then
   # a kernel that does not compile on the GPU makes every benchmark below fail: stop here instead
   step kernel_tests 240 env PYTHONPATH=$PWD/src python -m pytest -q -x -p no:cacheprovider \
       tests/kernels/test_route_chunks.py tests/kernels/test_chunk_summaries.py tests/kernels/test_flash_attention.py \
-      -k "routed or tile or chunk or policy or budget or scores" || exit 1
+      -k "routed or tile or chunk or policy or budget or scores or kmeans" || exit 1
   step routing_tests 150 env PYTHONPATH=$PWD/src python -m pytest -q -x -p no:cacheprovider \
       tests/cache/test_routing.py || exit 1
 fi

@@ -51,6 +51,7 @@ class RowState:
     step_in_block: int = 0
     query_rows: int = 0         # query rows computed over all forward passes so far
     next_query_rows: int | None = None  # methods whose query count varies: the next step's (from the device)
+    clustered: bool = False     # its routed prompt's k-means regions exist in the cache (cache/routing.py)
 
     @property
     def length(self) -> int:

@@ -17,7 +17,7 @@ B, K, HKV, GROUP, D = 3, 300, 2, 2, 8
 PROMPT = [260, 260, 200]
 
 
-def routing_of(policies, budget=0.125, positions=None, counts=None):
+def routing_of(policies, budget=0.125, positions=None, counts=None, clustered=None):
     """A pass of 4 query rows per request at positions past its prompt (unless `positions` and the rows per
     request `counts` say otherwise)."""
     counts = counts or [4] * B
@@ -25,7 +25,8 @@ def routing_of(policies, budget=0.125, positions=None, counts=None):
     positions = torch.tensor(PROMPT).repeat_interleave(4) if positions is None else positions
     counters = torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.long)
     return PromptRouting.build(PROMPT, [p + 40 for p in PROMPT], counts, True, [budget] * B, policies, rows,
-                               positions, torch.arange(B), *counters, lambda values: torch.tensor(values))
+                               positions, torch.arange(B), *counters, lambda values: torch.tensor(values),
+                               clustered=clustered)
 
 
 def step(policies, budget=0.125, needle=None, positions=None):
@@ -82,11 +83,11 @@ def test_chunk_scores_find_the_needle_and_the_controls_do_not():
 SPAN = 320  # each request's cache range in the k-means passes (a multiple of CHUNK)
 
 
-def kmeans_pass(cache, policies, budget, counts=None, positions=None, q=None):
+def kmeans_pass(cache, policies, budget, counts=None, positions=None, q=None, clustered=None):
     """One pass over the flat cache (`kmeans_cache`; requests at multiples of SPAN, the last row a scratch): 4 rows
     per request past its prompt, or `counts` rows at `positions` (a full pass: every position); it writes nothing
     new, updates the k-means regions and their layout and returns the keys read [B, HKV, K]."""
-    routing = routing_of(policies, budget, positions, counts)
+    routing = routing_of(policies, budget, positions, counts, clustered)
     counts = counts or [4] * B
     starts = torch.arange(B) * SPAN
     kv_len = torch.tensor([p + 40 for p in PROMPT])
@@ -102,22 +103,24 @@ def kmeans_pass(cache, policies, budget, counts=None, positions=None, q=None):
 
 def kmeans_cache():
     """Random keys and values in the flat layout, and an empty k-means state beside them (KVCache.kmeans_regions':
-    the region summaries with one scratch entry, each row's region)."""
+    the region summaries with one scratch entry, each row's region, each region's size)."""
     g = torch.Generator().manual_seed(2)
     k, v = (torch.randn(B * SPAN + 1, HKV, D, generator=g) for _ in range(2))
     summaries = torch.zeros(B * SPAN // CHUNK + 1, 3, HKV, D)
-    return SimpleNamespace(k=k, v=v, state=(summaries, torch.full((B * SPAN + 1, HKV), -1, dtype=torch.int32)))
+    return SimpleNamespace(k=k, v=v, state=(summaries, torch.full((B * SPAN + 1, HKV), -1, dtype=torch.int32),
+                                            torch.zeros(B * SPAN // CHUNK + 1, HKV, dtype=torch.int32),
+                                            torch.full((B * SPAN + 1, HKV), -1, dtype=torch.int32)))
 
 
-def full_pass(cache):
+def full_pass(cache, clustered=None):
     lengths = [p + 40 for p in PROMPT]
     positions = torch.cat([torch.arange(n) for n in lengths])
-    return kmeans_pass(cache, ["kmeans"] * B, 0.25, counts=lengths, positions=positions)
+    return kmeans_pass(cache, ["kmeans"] * B, 0.25, counts=lengths, positions=positions, clustered=clustered)
 
 
 def test_kmeans_regions_are_built_by_a_full_pass_and_laid_out_region_after_region():
     cache = kmeans_cache()
-    summaries, key_region = cache.state
+    summaries, key_region, region_size, assignment = cache.state
     before_k, before_v = cache.k.clone(), cache.v.clone()
     _, routing = full_pass(cache)
     assert routing.any_rebuild and routing.read_in_full
@@ -133,6 +136,9 @@ def test_kmeans_regions_are_built_by_a_full_pass_and_laid_out_region_after_regio
         torch.testing.assert_close(stored[:, 0][filled], lower.transpose(0, 1)[filled])
         torch.testing.assert_close(stored[:, 2][filled], centroids.transpose(0, 1)[filled])
         assert sizes.sum(dim=1).tolist() == [prompt - SINKS - WINDOW] * HKV
+        in_range = -(-(prompt + 40) // CHUNK)  # the request's chunks: its regions' entries
+        assert torch.equal(region_size[b * SPAN // CHUNK:][:in_range].T.long(), sizes[:, :in_range])
+        assert not sizes[:, in_range:].any()
         for h in range(HKV):
             # the routable run holds the same (K, V) pairs, region after region, by position within a region
             order = SINKS + assign[h, routable].sort(stable=True).indices
@@ -140,17 +146,49 @@ def test_kmeans_regions_are_built_by_a_full_pass_and_laid_out_region_after_regio
             assert torch.equal(cache.k[run, h], before_k[rows.start + order, h])
             assert torch.equal(cache.v[run, h], before_v[rows.start + order, h])
             assert torch.equal(key_region[run, h].long(), assign[h, order])
+            assert torch.equal(assignment[rows, h].long(), assign[h])  # by position: a later full pass keeps it
             # the sinks, the window and the generated part stay where they are, as does every other request's row
             kept = rows.start + position[~routable]
             assert torch.equal(cache.k[kept, h], before_k[kept, h]) and torch.equal(cache.v[kept, h], before_v[kept, h])
             assert (key_region[kept[kept < rows.start + prompt + 40], h] == -1).all()
 
 
+def test_a_later_full_pass_keeps_the_grouping_and_summarises_the_new_keys():
+    """Dual-Cache's block pass (or an Elastic refresh) rewrites the prompt's keys in position order: with regions
+    already built, k-means does not run again; each position keeps its region, the new keys are laid out by it
+    and the summaries are theirs."""
+    cache = kmeans_cache()
+    full_pass(cache)
+    summaries, key_region, region_size, assignment = cache.state
+    kept, sizes = assignment.clone(), region_size.clone()
+    g = torch.Generator().manual_seed(5)
+    fresh_k, fresh_v = torch.randn(cache.k.shape, generator=g), torch.randn(cache.v.shape, generator=g)
+    cache.k.copy_(fresh_k)  # the full pass's new keys and values, in position order
+    cache.v.copy_(fresh_v)
+    _, routing = full_pass(cache, clustered=[True, False, True])
+    assert routing.reclusters.tolist() == [False, True, False]
+    position = torch.arange(K)
+    for b in (0, 2):
+        rows = slice(b * SPAN, b * SPAN + K)
+        assert torch.equal(assignment[rows], kept[rows])
+        assert torch.equal(region_size[b * SPAN // CHUNK:(b + 1) * SPAN // CHUNK],
+                           sizes[b * SPAN // CHUNK:(b + 1) * SPAN // CHUNK])
+        routable = (position >= SINKS) & (position < PROMPT[b] - WINDOW)
+        for h in range(HKV):
+            order = SINKS + kept[rows, h][routable].long().sort(stable=True).indices
+            run = rows.start + position[routable]
+            assert torch.equal(cache.k[run, h], fresh_k[rows.start + order, h])
+            assert torch.equal(cache.v[run, h], fresh_v[rows.start + order, h])
+            first = int(kept[rows.start + SINKS, h])  # its region's upper bound, of the new keys
+            members = fresh_k[rows.start + position[kept[rows, h] == first], h]
+            torch.testing.assert_close(summaries[b * SPAN // CHUNK + first, 1, h], members.amax(dim=0))
+
+
 def test_kmeans_opens_the_best_regions_within_the_budget_as_contiguous_runs():
     cache = kmeans_cache()
     cache.k[SPAN + 100:SPAN + 164:2] = 3.0  # a needle of 32 keys, not contiguous: one region holds them
     full_pass(cache)
-    _, key_region = cache.state
+    key_region = cache.state[1]
     q = torch.randn(4 * B, HKV * GROUP, D, generator=torch.Generator().manual_seed(1)).abs()
     visible, routing = kmeans_pass(cache, ["kmeans"] * B, 0.5, q=q)
     position = torch.arange(K)
@@ -206,8 +244,8 @@ def test_a_budget_of_one_is_the_dense_attention(gqa_checkpoint, knobs, policy):
     assert all(o.prompt_kv_read == 1.0 for o in routed) and all(o.prompt_kv_read is None for o in dense)
 
 
-@pytest.mark.parametrize("knobs, policy", [(CACHED[1], "chunk"), (CACHED[3], "chunk"), (CACHED[4], "chunk"),
-                                           (CACHED[1], "kmeans")],
+# Dual-Cache with k-means regions (its full passes lay them out anew), the others with chunks
+@pytest.mark.parametrize("knobs, policy", [(CACHED[3], "chunk"), (CACHED[4], "chunk"), (CACHED[1], "kmeans")],
                          ids=lambda k: k["method"] if isinstance(k, dict) else k)
 def test_a_small_budget_reads_less_and_the_kernels_route_as_the_reference(gqa_checkpoint, knobs, policy):
     """The kernel path routes from the chunk summaries kept beside the cache (rewritten where a pass writes

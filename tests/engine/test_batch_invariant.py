@@ -65,7 +65,7 @@ def test_the_kernel_path_is_batch_invariant_too(kernel_llms, prompts, method):
     """The invariant GEMM, one tiling of the attention and norm kernels, the key mass summed in order; Elastic's
     drift test through the invariant GEMM, batched matmul and sums."""
     params = SamplingParams(method=method, max_tokens=8, block_length=8, **KNOBS.get(method, {}))
-    subset = [prompts[i] for i in (0, 2, 7, 14)]  # 3-17 tokens: the interpreter is slow
+    subset = [prompts[i] for i in (0, 2)]  # 3 and 17 tokens: the interpreter is slow
     alone = [out.token_ids for out in kernel_llms[1].generate(subset, params, use_tqdm=False)]
     assert any(alone)
     assert [out.token_ids for out in kernel_llms[8].generate(subset, params, use_tqdm=False)] == alone

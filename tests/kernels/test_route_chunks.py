@@ -1,13 +1,14 @@
 """The routing kernels (kernels/route_chunks.py) against their reference: the same keys hidden, tile lists and
-keys counted, for every policy but kmeans, requests dense, not pure (prompt rows in the pass) or at different
-cache offsets, budgets from nothing to everything, and equal scores (opened in chunk order)."""
+keys counted, for every policy, requests dense, not pure (prompt rows in the pass) or at different cache
+offsets, budgets from nothing to everything, equal scores (opened in chunk order, k-means regions in region
+order) and k-means regions of any size."""
 from kernel_testing import DEVICE  # first: it picks the interpreter on the CPU
 
 import pytest
 import torch
 
 from flash_dllm.cache.attention_metadata import AttentionMetadata
-from flash_dllm.cache.routing import CHUNK, PromptRouting
+from flash_dllm.cache.routing import CHUNK, SINKS, WINDOW, PromptRouting
 from flash_dllm.kernels.route_chunks import route_chunks, route_chunks_ref
 
 HKV, GROUP, D = 2, 2, 32
@@ -17,9 +18,10 @@ CACHE_ROWS = 2048
 
 
 def routed_pass(policies, budget, rows=8, not_pure=(), dtype=torch.float32, summaries=None, seed=0,
-                prompts=PROMPTS, kv_starts=KV_START, cache_rows=CACHE_ROWS):
+                prompts=PROMPTS, kv_starts=KV_START, cache_rows=CACHE_ROWS, kmeans=None):
     """`rows` query rows per request past its prompt (a request in `not_pure` has one in its prompt), random
-    queries and chunk summaries; the reference's and the kernels' RoutedKeys and keys counted."""
+    queries and chunk summaries (and `kmeans`: k-means regions, `kmeans_state`); the reference's and the
+    kernels' RoutedKeys and keys counted."""
     g = torch.Generator().manual_seed(seed)
     B = len(prompts)
     lengths = [p + 40 for p in prompts]
@@ -43,7 +45,8 @@ def routed_pass(policies, budget, rows=8, not_pure=(), dtype=torch.float32, summ
                                      kv_len=torch.tensor(lengths, device=DEVICE),
                                      slot_mapping=kv_start[row_request.to(DEVICE)] + positions.to(DEVICE),
                                      max_q=rows, max_kv=max(lengths), routing=routing)
-        results.append((route(q, summaries, metadata, layer=3), counters))
+        state = kmeans and (kmeans[0].to(dtype).to(DEVICE), *(part.to(DEVICE) for part in kmeans[1:]))
+        results.append((route(q, summaries, metadata, layer=3, kmeans=state), counters))
     return results
 
 
@@ -98,3 +101,48 @@ def test_long_prompts_span_several_blocks_of_chunks(zeros):
     if zeros:  # the first chunks of the budget, across blocks
         opened = ~kernel[0].hidden[0, 0, :4500 - 32]
         assert opened[:CHUNK * 30].all() and not opened[CHUNK * 50:].any()
+
+
+def kmeans_state(prompts=PROMPTS, kv_starts=KV_START, cache_rows=CACHE_ROWS, zeros=False, seed=1):
+    """KVCache.kmeans_regions' layer entries as a rebuild leaves them: per request and KV head, its routable run
+    (positions SINKS to prompt - WINDOW) cut into regions of 1 to 80 keys (the last: the rest), held region after
+    region, some region indices left empty; random bounds (`zeros`: all zero, every score equal)."""
+    g = torch.Generator().manual_seed(seed)
+    upper = torch.zeros(cache_rows // CHUNK + 1, HKV, D) if zeros else torch.randn(cache_rows // CHUNK + 1, HKV, D,
+                                                                                   generator=g)
+    lower = upper - (0 if zeros else torch.rand(upper.shape, generator=g))
+    summaries = torch.stack([lower, upper, (lower + upper) / 2], dim=1)
+    key_region = torch.full((cache_rows + 1, HKV), -1, dtype=torch.int32)
+    region_size = torch.zeros(cache_rows // CHUNK + 1, HKV, dtype=torch.int32)
+    for prompt, start in zip(prompts, kv_starts):
+        for h in range(HKV):
+            position, region, end = SINKS, 0, prompt - WINDOW
+            regions = -(-(end - SINKS) // CHUNK)  # as many as k-means makes: the last takes what is left
+            while position < end:
+                region += int(torch.randint(0, 4, (), generator=g) == 0 and region < regions - 1)  # one left empty
+                size = end - position if region == regions - 1 else min(int(torch.randint(1, 81, (), generator=g)),
+                                                                            end - position)
+                key_region[start + position:start + position + size, h] = region
+                region_size[start // CHUNK + region, h] = size
+                position, region = position + size, region + 1
+    return summaries, key_region, region_size
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kmeans_regions_open_within_the_budget_of_keys(dtype):
+    kmeans = kmeans_state()
+    for policies, budget in ((["kmeans"] * 5, 0.3), (["kmeans", "chunk", None, "random", "kmeans"], 0.5),
+                             (["kmeans"] * 5, 0.01), (["kmeans"] * 5, 0.9)):
+        reference, kernel = routed_pass(policies, budget=budget, not_pure=(4,), dtype=dtype, kmeans=kmeans)
+        assert_same(reference, kernel)
+    hidden = kernel[0].hidden
+    assert hidden[0, :, :PROMPTS[0] - WINDOW].any() and not hidden[4, :, :PROMPTS[4]].any()  # 4 reads in full
+
+
+def test_kmeans_equal_scores_open_in_region_order_across_blocks():
+    long = dict(prompts=[4500, 2300], kv_starts=[0, 4608], cache_rows=8192)
+    kmeans = kmeans_state(zeros=True, **long)
+    reference, kernel = routed_pass(["kmeans", "kmeans"], budget=0.3, kmeans=kmeans, **long)
+    assert_same(reference, kernel)
+    opened = ~kernel[0].hidden[0, 0, :4500 - WINDOW]
+    assert opened[:CHUNK * 30].all() and not opened[CHUNK * 50:].any()  # the first regions, by position

@@ -37,7 +37,7 @@ class KVCache:
         self._hidden_shape = (num_rows + 1, cfg.hidden_size)
         self._hidden: list[torch.Tensor] | None = None
         self._summaries: list[torch.Tensor] | None = None
-        self._kmeans: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+        self._kmeans: tuple[list[torch.Tensor], ...] | None = None
 
     def chunk_summaries(self, chunk: int) -> list[torch.Tensor]:
         """Per layer [rows / chunk (rounded up), 3, kv_heads, head_dim]: the lower bounds, upper bounds and mean of
@@ -49,16 +49,20 @@ class KVCache:
             self._summaries = [torch.zeros(shape, dtype=k.dtype, device=k.device) for _ in self.k]
         return self._summaries
 
-    def kmeans_regions(self, chunk: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def kmeans_regions(self, chunk: int) -> tuple[list[torch.Tensor], ...]:
         """The k-means regions of routed prompts (cache/routing.py's `kmeans` policy), allocated at first use:
         per layer [rows / chunk (rounded up) + 1, 3, kv_heads, head_dim]: the lower bounds, upper bounds and mean
         of each region's keys, region r of the request whose range starts at row s kept at s / chunk + r (the last
-        entry: scratch that no region owns); and [num_rows + 1, kv_heads] int32: the region of the key each cache
-        row holds (-1: none; the rows of a prompt's routable keys hold them region after region)."""
+        entry: scratch that no region owns); [num_rows + 1, kv_heads] int32: the region of the key each cache
+        row holds (-1: none; the rows of a prompt's routable keys hold them region after region);
+        [rows / chunk (rounded up) + 1, kv_heads] int32: each region's number of keys, kept as the summaries; and
+        [num_rows + 1, kv_heads] int32: the region of each position's key (at row start + position; -1: none)."""
         if self._kmeans is None:
             k = self.k[0]
-            shape = (-(-k.shape[0] // chunk) + 1, 3, *k.shape[1:])
-            self._kmeans = ([torch.zeros(shape, dtype=k.dtype, device=k.device) for _ in self.k],
+            regions = -(-k.shape[0] // chunk) + 1
+            self._kmeans = ([torch.zeros(regions, 3, *k.shape[1:], dtype=k.dtype, device=k.device) for _ in self.k],
+                            [torch.full(k.shape[:2], -1, dtype=torch.int32, device=k.device) for _ in self.k],
+                            [torch.zeros(regions, k.shape[1], dtype=torch.int32, device=k.device) for _ in self.k],
                             [torch.full(k.shape[:2], -1, dtype=torch.int32, device=k.device) for _ in self.k])
         return self._kmeans
 

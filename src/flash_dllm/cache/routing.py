@@ -27,8 +27,9 @@ reference: it summarises the chunks from the cache at every step. `route_stored`
 the cache (KVCache.chunk_summaries), which kernels/chunk_summaries.py rewrites for the chunks that a pass's
 prompt rows write; the attention kernel then visits only the open chunks. What does not depend on the layer is
 computed once per pass (`PassKeys`): a step's routing is a handful of launches per layer. K-means regions are
-kept beside the cache too (KVCache.kmeans_regions), built and routed in PyTorch on both paths; in their
-region-ordered layout the kernel's list of key tiles holding an opened key is about the opened keys' own.
+kept beside the cache too (KVCache.kmeans_regions: summaries, each row's region, sizes), built in PyTorch and
+routed by the same kernels; in their region-ordered layout the kernel's list of key tiles holding an opened key
+is about the opened keys' own.
 """
 from __future__ import annotations
 
@@ -79,8 +80,11 @@ class PromptRouting:
     row_request: torch.Tensor  # [N] long: each query row's request
     prompt_rows: torch.Tensor  # [N] bool: the pass's rows in their request's prompt
     pure: torch.Tensor         # [B] bool: the pass has no prompt row of the request (it reads its prompt routed)
-    rebuilds: torch.Tensor     # [B] bool: a kmeans request whose whole sequence the pass writes (new regions)
-    any_rebuild: bool          # host: whether any request of the pass rebuilds its regions
+    rebuilds: torch.Tensor     # [B] bool: a kmeans request whose whole sequence the pass writes (its regions
+                               # summarised and laid out anew)
+    reclusters: torch.Tensor   # [B] bool: of those, one without regions yet (its prefill): k-means runs
+    rebuilding: tuple[bool, ...]  # host: `rebuilds`
+    any_recluster: bool        # host: any of `reclusters`
     batch_row: torch.Tensor    # [B] long: each request's row of the decode batch (the accumulators' index)
     keys_read: torch.Tensor    # [batch rows] long: prompt keys read, summed over passes, layers and KV heads
     keys_dense: torch.Tensor   # [batch rows] long: the same, had every prompt key been read
@@ -90,35 +94,44 @@ class PromptRouting:
     @classmethod
     def build(cls, prompt_lens: list[int], lengths: list[int], row_counts: list[int], writes_cache: bool,
               budgets: list[float], policies: list[str | None], row_request: torch.Tensor, positions: torch.Tensor,
-              batch_row: torch.Tensor, keys_read: torch.Tensor, keys_dense: torch.Tensor, constant) -> PromptRouting:
+              batch_row: torch.Tensor, keys_read: torch.Tensor, keys_dense: torch.Tensor, constant,
+              clustered: list[bool] | None = None) -> PromptRouting:
         """Per request: prompt and sequence lengths, query rows in the pass, budget and policy; whether the pass
         writes the cache (a verify pass may hold two views of a position); row_request, positions [N]: each query
         row's request and position. `constant`: host list -> device tensor (the runner's, which keeps repeating
         lists on the device). A budget of 1 reads every key: such a request is dense (its keys still counted), and
-        builds no k-means regions (its steps may recompute prompt positions, which the regions' layout forbids)."""
+        builds no k-means regions (its steps may recompute prompt positions, which the regions' layout forbids).
+        `clustered`: per request, whether its k-means regions exist (a full pass after its prefill keeps their
+        keys' assignment: k-means runs once per request; default: none exist)."""
         policies = [policy if budget < 1 else None for policy, budget in zip(policies, budgets)]
         top_k = [chunks_opened(length, budget) if policy else 0
                  for length, budget, policy in zip(prompt_lens, budgets, policies)]
         prompt_len = constant(prompt_lens)
         prompt_rows = positions < prompt_len[row_request]
         counts = torch.zeros_like(prompt_len).index_add_(0, row_request, prompt_rows.long())
-        rebuilds = [writes_cache and policy == "kmeans" and rows >= length
-                    for policy, rows, length in zip(policies, row_counts, lengths)]
+        rebuilds = tuple(writes_cache and policy == "kmeans" and rows >= length
+                         for policy, rows, length in zip(policies, row_counts, lengths))
+        reclusters = [rebuild and not built for rebuild, built in zip(rebuilds, clustered or [False] * len(rebuilds))]
         return cls(prompt_len, constant(top_k), constant([POLICIES.index(p) if p else -1 for p in policies]),
                    tuple(sorted({p for p in policies if p}, key=POLICIES.index)), max(top_k),
                    max(length - prompt for length, prompt in zip(lengths, prompt_lens)),
                    writes_cache and all(not policy or rows > length - prompt
                                         for policy, rows, length, prompt in zip(policies, row_counts, lengths,
                                                                                 prompt_lens)),
-                   row_request, prompt_rows, counts == 0, constant(rebuilds).bool(), any(rebuilds), batch_row,
-                   keys_read, keys_dense)
+                   row_request, prompt_rows, counts == 0, constant(list(rebuilds)).bool(),
+                   constant(reclusters).bool(), rebuilds, any(reclusters), batch_row, keys_read, keys_dense)
 
     def leading(self, groups: int, rows: int) -> PromptRouting:
         """The routing of a pass's first `groups` requests, which own its first `rows` query rows."""
         return dataclasses.replace(
             self, prompt_len=self.prompt_len[:groups], top_k=self.top_k[:groups], policy=self.policy[:groups],
             row_request=self.row_request[:rows], prompt_rows=self.prompt_rows[:rows], pure=self.pure[:groups],
-            rebuilds=self.rebuilds[:groups], batch_row=self.batch_row[:groups])
+            rebuilds=self.rebuilds[:groups], reclusters=self.reclusters[:groups],
+            rebuilding=self.rebuilding[:groups], batch_row=self.batch_row[:groups])
+
+    @property
+    def any_rebuild(self) -> bool:
+        return any(self.rebuilding)
 
     def keys_of_pass(self, metadata, num_kv_heads: int) -> PassKeys:
         if self.pass_keys is None:
@@ -177,13 +190,17 @@ def count_in_full(metadata, num_kv_heads: int):
 
 
 def update_kmeans(k_cache: torch.Tensor, v_cache: torch.Tensor, summaries: torch.Tensor, key_region: torch.Tensor,
-                  metadata):
-    """After a pass wrote the layer's cache: the kmeans requests whose whole sequence it wrote get new k-means
-    regions (KVCache.kmeans_regions' layer entries: each region's summary, each cache row's region per KV head)
-    from their routable prompt keys, and those keys are laid out region after region, per KV head, in K and V
-    (`region_layout`): a step that opens a region reads one contiguous range of rows. No other pass writes a
-    kmeans request's routable keys (the others write its generated part, or the last prompt positions, which stay
-    where they are; a routed prompt is never recomputed in a step), so the layout holds until the next rebuild."""
+                  region_size: torch.Tensor, assignment: torch.Tensor, metadata):
+    """After a pass wrote the layer's cache: the kmeans requests whose whole sequence it wrote get their k-means
+    regions anew (KVCache.kmeans_regions' layer entries: each region's summary, each cache row's region per KV
+    head, each region's size, each position's region). At a request's prefill k-means groups its routable
+    prompt keys; a later full pass (Dual-Cache's blocks, Elastic-Cache's refreshes) keeps that grouping (the
+    keys drift little; k-means costs ~30 ms a layer at 8k keys on an H200) and summarises its new keys. Either
+    way the keys are then laid out region after region, per KV head, in K and V (`region_layout`; the pass wrote
+    them in position order): a step that opens a region reads one contiguous range of rows. No other pass writes
+    a kmeans request's routable keys (the others write its generated part, or the last prompt positions, which
+    stay where they are; a routed prompt is never recomputed in a step), so the layout holds until the next full
+    pass."""
     routing = metadata.routing
     if not routing.any_rebuild:
         return
@@ -191,17 +208,22 @@ def update_kmeans(k_cache: torch.Tensor, v_cache: torch.Tensor, summaries: torch
     keys = routing.keys_of_pass(metadata, Hkv)
     B, K = keys.key_index.shape
     grouped = k_cache[keys.key_index].transpose(1, 2).reshape(B * Hkv, K, D)
-    assign = kmeans_assignment(grouped, CHUNK, keys.routable.repeat_interleave(Hkv, dim=0)).view(B, Hkv, K)
+    assign = assignment[keys.key_index].long().transpose(1, 2).masked_fill(~keys.routable[:, None, :], -1)
+    if routing.any_recluster:
+        fresh = kmeans_assignment(grouped, CHUNK, keys.routable.repeat_interleave(Hkv, dim=0)).view(B, Hkv, K)
+        assign = torch.where(routing.reclusters[:, None, None], fresh, assign)
     C = keys.cache_chunk.shape[1]
-    centroids, lower, upper, _ = region_summaries(grouped, assign.flatten(0, 1), C)
+    centroids, lower, upper, sizes = region_summaries(grouped, assign.flatten(0, 1), C)
     parts = torch.stack([lower, upper, centroids], dim=1).view(B, Hkv, 3, C, D).permute(0, 3, 2, 1, 4)
     in_range = torch.arange(C, device=k_cache.device) * CHUNK < metadata.kv_len[:, None]
     scratch = summaries.shape[0] - 1  # written where nothing is: the requests that do not rebuild
     chunk = torch.where(routing.rebuilds[:, None] & in_range, keys.cache_chunk, scratch)            # [B, C]
     summaries[chunk] = torch.nan_to_num(parts, posinf=0.0, neginf=0.0).to(summaries.dtype)        # empty: zeros
+    region_size[chunk] = sizes.view(B, Hkv, C).transpose(1, 2).to(region_size.dtype)
     order = region_layout(assign, keys.routable)                                                  # [B, Hkv, K]
     key_valid = torch.arange(K, device=k_cache.device) < metadata.kv_len[:, None]
     rows = torch.where(routing.rebuilds[:, None] & key_valid, keys.key_index, key_region.shape[0] - 1)  # [B, K]
+    assignment[rows] = assign.transpose(1, 2).to(assignment.dtype)
     heads = torch.arange(Hkv, device=k_cache.device)[:, None]
     source = keys.key_index[:, None, :].expand(B, Hkv, K).gather(2, order) * Hkv + heads         # [B, Hkv, K]
     target = rows[:, None, :] * Hkv + heads
@@ -222,15 +244,16 @@ def region_layout(assign: torch.Tensor, routable: torch.Tensor) -> torch.Tensor:
     return rank.sort(dim=-1, stable=True).indices
 
 
-def kmeans_inputs(state: tuple[torch.Tensor, torch.Tensor] | None, keys: PassKeys):
-    """The pass's view of a layer's k-means regions (summaries, key_region): the regions' lower and upper bounds
-    {0, 1: [B, C, Hkv, D]} and each key's region [B, Hkv, K] (-1: none); None without kmeans requests."""
+def kmeans_inputs(state: tuple[torch.Tensor, ...] | None, keys: PassKeys):
+    """The pass's view of a layer's k-means regions (KVCache.kmeans_regions'): the regions' lower and
+    upper bounds {0, 1: [B, C, Hkv, D]}, each key's region [B, Hkv, K] (-1: none) and each region's size
+    [B, Hkv, C]; None without kmeans requests."""
     if state is None:
         return None
-    summaries, key_region = state
+    summaries, key_region, region_size = state[:3]
     chunk = keys.cache_chunk.clamp(max=summaries.shape[0] - 1)
     return ({part: summaries[:, part][chunk].float() for part in (0, 1)},
-            key_region[keys.key_index].long().transpose(1, 2))
+            key_region[keys.key_index].long().transpose(1, 2), region_size[chunk].long().transpose(1, 2))
 
 
 def route(q: torch.Tensor, k_cache: torch.Tensor, metadata, layer: int,
@@ -328,10 +351,9 @@ def visible_keys(q: torch.Tensor, summaries: dict[int, torch.Tensor], metadata, 
     if kmeans is not None:  # regions of any size, opened best first while within the budget of keys
         is_kmeans = (routing.policy == POLICIES.index("kmeans"))[:, None, None]
         region_of = torch.where(is_kmeans, kmeans[1], region_of)
-        member = keys.routable[:, None, :] & (region_of >= 0)
-        sizes = torch.zeros(B, Hkv, C, dtype=torch.long, device=q.device).scatter_add_(
-            -1, region_of.clamp(min=0), member.long())
-        ranked = score.masked_fill(sizes == 0, float("-inf")).sort(dim=-1, descending=True)  # regions, not chunks
+        # a range shorter than the pass's widest: its entries past its keys are another range's
+        sizes = kmeans[2].masked_fill(torch.arange(C, device=q.device) * CHUNK >= metadata.kv_len[:, None, None], 0)
+        ranked = score.masked_fill(sizes == 0, float("-inf")).sort(dim=-1, descending=True, stable=True)
         ranked_sizes = sizes.gather(-1, ranked.indices)
         fits = (ranked_sizes.cumsum(dim=-1) <= (routing.top_k * CHUNK)[:, None, None]) & (ranked.values > float("-inf"))
         by_budget = torch.zeros_like(opened).scatter_(-1, ranked.indices, fits)

@@ -176,11 +176,15 @@ class ModelRunner:
                  writes_cache: bool) -> PromptRouting:
         """The pass's routed prompts (batch rows `order`); the keys read are counted in the batch's counters."""
         requests = [batch.rows[b] for b in order]
-        return PromptRouting.build([row.prompt_length for row in requests], [row.length for row in requests],
-                                   rows.counts, writes_cache, [row.params.kv_budget for row in requests],
-                                   [row.params.kv_routing for row in requests], rows.request, positions,
-                                   self.constant(order), batch.counters.prompt_keys_read,
-                                   batch.counters.prompt_keys_dense, self.constant)
+        routing = PromptRouting.build([row.prompt_length for row in requests], [row.length for row in requests],
+                                      rows.counts, writes_cache, [row.params.kv_budget for row in requests],
+                                      [row.params.kv_routing for row in requests], rows.request, positions,
+                                      self.constant(order), batch.counters.prompt_keys_read,
+                                      batch.counters.prompt_keys_dense, self.constant,
+                                      clustered=[row.clustered for row in requests])
+        for row, rebuilt in zip(requests, routing.rebuilding):
+            row.clustered |= rebuilt
+        return routing
 
     def constant(self, values: list[int]) -> torch.Tensor:
         """A short host list of ints (row counts) on the device, read-only. With CUDA graphs it is uploaded once

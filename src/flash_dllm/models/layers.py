@@ -22,7 +22,7 @@ from ..kernels.chunk_summaries import write_chunk_summaries
 from ..kernels.flash_attention import flash_attention
 from ..kernels.fused_qkv_rope import qkv_rope
 from ..kernels.invariant_matmul import invariant_matmul
-from ..kernels.route_chunks import route_chunks, route_chunks_ref
+from ..kernels.route_chunks import route_chunks
 from ..kernels.rms_norm import rms_norm, rms_norm_ref
 from ..kernels.silu_mul import silu_mul, silu_mul_ref
 
@@ -179,7 +179,7 @@ class Attention(nn.Module):
     def _routed(self, q: torch.Tensor, cache: KVCache, metadata: AttentionMetadata, kernels: bool) -> dict:
         """The attention's routing argument: the cache keys each request's KV head reads this pass, where its
         prompt keys are routed. `kernels`: from the chunk summaries kept beside the cache, first rewritten where
-        the pass wrote prompt keys, in two launches (k-means regions: the reference's mask, listed); else the
+        the pass wrote prompt keys (and the k-means regions kept beside it), in a few launches; else the
         reference's, from the cache."""
         if metadata.routing is None:
             return {}
@@ -196,10 +196,8 @@ class Attention(nn.Module):
         if metadata.routing.read_in_full:  # a full pass: the dense attention
             count_in_full(metadata, self.num_kv_heads)
             return {}
-        if kernels and kmeans is None:
-            return dict(routed=route_chunks(q, summaries, metadata, self.layer))
         if kernels:
-            return dict(routed=route_chunks_ref(q, summaries, metadata, self.layer, kmeans))
+            return dict(routed=route_chunks(q, summaries, metadata, self.layer, kmeans))
         return dict(key_visible=route(q, cache.k[self.layer], metadata, self.layer, kmeans))
 
     def _kernel_attention(self, x, rope, metadata, cache, key_mass) -> torch.Tensor:
