@@ -151,8 +151,8 @@ if triton is not None:
         if KMEANS:
             # (a scalar condition and a vector of them join through tl.where: the interpreter's `&` of the two is
             # int32)
-            size = tl.load(size_ptr + o_c * num_kv_heads, mask=tl.where(policy == P_KMEANS, (o_c < C) & (first < kv_len), False),
-                           other=0)
+            own = tl.where(policy == P_KMEANS, (o_c < C) & (first < kv_len), False)
+            size = tl.load(size_ptr + o_c * num_kv_heads, mask=own, other=0)
             competes = tl.where(policy == P_KMEANS, size > 0, competes)
             weight = tl.where(policy == P_KMEANS, size, weight)
         scored = (policy == P_CHUNK) | (policy == P_CENTROID) | (policy == P_KMEANS)
