@@ -21,7 +21,6 @@ import torch.nn.functional as F
 
 
 MAX_SIMILARITIES = 2**26  # key-to-centre similarities held at once (256 MB in fp32)
-SEED_ROUNDS = 16         # rounds of farthest-first seeding
 
 
 @dataclass
@@ -54,21 +53,16 @@ def chunk_regions(keys: torch.Tensor, size: int) -> Regions:
 
 
 def farthest_directions(directions: torch.Tensor, valid: torch.Tensor, count: int) -> torch.Tensor:
-    """directions [G, P, D] (unit rows) -> [G, count, D]: the first valid row, then in SEED_ROUNDS rounds the valid
-    rows least similar to those taken so far, an equal share of the rest per round (a deterministic k-means++;
-    one row a round up to SEED_ROUNDS + 1 seeds). Rounds bound the sequential launches of a rebuild at long
-    prompts (H200, 8k keys, 256 seeds: 24 ms a layer one seed at a time); a parallel split of the positions
-    into halves took duplicate seeds, and k-means kept two clusters merged."""
+    """directions [G, P, D] (unit rows) -> [G, count, D]: the first valid row, then each time the valid row least
+    similar to those taken (a deterministic k-means++). `count` sequential steps: the cost of a rebuild at long
+    prompts (a parallel split into halves took duplicate seeds, and k-means kept two clusters merged)."""
     G, P, D = directions.shape
     taken = directions.new_empty(G, count, D)
     taken[:, :1] = directions.gather(1, valid.long().argmax(dim=1)[:, None, None].expand(G, 1, D))
     nearest = (directions @ taken[:, :1].transpose(1, 2))[..., 0].masked_fill(~valid, float("inf"))  # [G, P]
-    share = -(-(count - 1) // SEED_ROUNDS)
-    for first in range(1, count, share):
-        picked = nearest.topk(min(share, count - first), dim=1, largest=False).indices               # [G, m]
-        taken[:, first:first + picked.shape[1]] = directions.gather(1, picked[..., None].expand(-1, -1, D))
-        similarity = directions @ taken[:, first:first + picked.shape[1]].transpose(1, 2)           # [G, P, m]
-        nearest = torch.maximum(nearest, similarity.amax(dim=-1))
+    for index in range(1, count):
+        taken[:, index:index + 1] = directions.gather(1, nearest.argmin(dim=1)[:, None, None].expand(G, 1, D))
+        nearest = torch.maximum(nearest, (directions @ taken[:, index:index + 1].transpose(1, 2))[..., 0])
     return taken
 
 
