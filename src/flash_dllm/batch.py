@@ -97,6 +97,16 @@ class DecodeBatch:
     def max_length(self) -> int:
         return max(row.length for row in self.rows)
 
+    def frozen_prompt(self, constant) -> torch.Tensor | None:
+        """[B, W] bool: the prompt columns of the rows whose prompt KV is routed, frozen between full passes (no
+        step recomputes them: cache/routing.py); None where no row routes (a dense batch's step does no work for
+        it). `constant`: the runner's host list -> device tensor."""
+        routed = [row.params.routes_prompt for row in self.rows]
+        if not any(routed):
+            return None
+        columns = torch.arange(self.tokens.shape[1], device=self.tokens.device)
+        return constant(routed).bool()[:, None] & (columns < self.gen_start)
+
     def count_query_rows(self, counts: list[int]):
         """Record the query rows a pass computed for each row."""
         for row, count in zip(self.rows, counts):

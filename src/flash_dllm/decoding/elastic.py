@@ -316,10 +316,9 @@ class Elastic(DecodingMethod):
         B, width = tokens.shape
         window = window_mask(tokens, batch.gen_start, settings.mask_window, mask_id, batch.stop_ids)
         decoded = batch.attention_mask & (tokens != mask_id)  # before this step: the keys that may be tracked
-        routed = [row.params.routes_prompt for row in batch.rows]
-        if any(routed):  # a routed prompt is frozen between full passes (cache/routing.py): never tracked
-            prompt = torch.arange(width, device=tokens.device) < batch.gen_start
-            decoded &= ~(runner.constant(routed).bool()[:, None] & prompt)
+        frozen = batch.frozen_prompt(runner.constant)
+        if frozen is not None:  # a routed prompt is frozen between full passes (cache/routing.py): never tracked
+            decoded &= ~frozen
         drift = not all(row.is_first_pass for row in batch.rows)  # some row is past its first pass
         counts = [row.length if row.next_query_rows is None else row.next_query_rows for row in batch.rows]
         batch.count_query_rows(counts)

@@ -59,7 +59,8 @@ def query_priority(batch: DecodeBatch, logit_sources=None,
                    frozen_prompt: torch.Tensor | None = None) -> torch.Tensor:
     """[B, W] score whose top-Q columns per row are the step's queries (-inf: never a query). logit_sources:
     the runner's map from columns to the columns that give their logits, for a shifted architecture.
-    frozen_prompt [B] bool: rows whose prompt positions come last (routed prompts: never tracked)."""
+    frozen_prompt [B, W] bool (DecodeBatch.frozen_prompt): columns that come last (routed prompts: never
+    tracked)."""
     tokens, real, state = batch.tokens, batch.attention_mask, batch.state
     width = tokens.shape[1]
     columns = torch.arange(width, device=tokens.device)
@@ -70,7 +71,7 @@ def query_priority(batch: DecodeBatch, logit_sources=None,
     relative_mass = state.key_mass / (state.key_mass.amax(dim=1, keepdim=True) + 1e-30)  # in [0, 1]
     priority = torch.where(masked, 1.0 - columns / width, 2.0 + relative_mass)          # decoded above far masks
     if frozen_prompt is not None:  # a frozen prompt last (its positions are never decoded in a step)
-        priority = priority.masked_fill(frozen_prompt[:, None] & (columns < batch.gen_start), -1.0)
+        priority = priority.masked_fill(frozen_prompt, -1.0)
     priority = torch.where(newly, 3.5, priority)
     priority = torch.where(window, 5.0, priority)
     if logit_sources is not None:
@@ -114,8 +115,7 @@ class FlashCache(Parallel):
         device, counts = batch.tokens.device, list(plan.counts)
         width, lengths, max_q = batch.tokens.shape[1], batch.lengths, max(counts)
         shifted = runner.logit_sources if runner.logit_shift else None
-        routed = [row.params.routes_prompt for row in batch.rows]
-        frozen = runner.constant(routed).bool() if any(routed) else None  # no work on the step of a dense batch
+        frozen = batch.frozen_prompt(runner.constant)
         chosen = torch.topk(query_priority(batch, shifted, frozen), max_q, dim=1).indices  # [B, Qmax]
         valid = torch.arange(max_q, device=device) < runner.constant(counts)[:, None]
         chosen = torch.where(valid, chosen, width).sort(dim=1).values                      # ascending, invalid last
