@@ -257,7 +257,7 @@ def kmeans_inputs(state: tuple[torch.Tensor, ...] | None, keys: PassKeys):
 
 
 def route(q: torch.Tensor, k_cache: torch.Tensor, metadata, layer: int,
-          kmeans: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+          kmeans: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """q [N, H, D] a pass's rotated queries, k_cache [rows, Hkv, D] the layer's cache (already holding the
     pass's keys) -> [B, Hkv, max_kv] bool: the cache keys each request's KV head reads (`visible_keys`), its
     chunks summarised from the cache; `kmeans`: the layer's k-means regions, where the pass has kmeans requests."""
@@ -269,7 +269,7 @@ def route(q: torch.Tensor, k_cache: torch.Tensor, metadata, layer: int,
 
 
 def route_stored(q: torch.Tensor, summaries: torch.Tensor, metadata, layer: int,
-                 kmeans: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                 kmeans: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """As `route`, with the chunk summaries kept beside the cache: summaries [cache rows / CHUNK, 3, Hkv, D]
     (the layer's KVCache.chunk_summaries, fresh for the pass's prompt rows). No prompt key is read; of the
     summaries, only those the pass's policies score."""

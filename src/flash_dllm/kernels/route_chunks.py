@@ -38,7 +38,7 @@ WRITE_CHUNKS = 64
 
 
 def route_chunks_ref(q: torch.Tensor, summaries: torch.Tensor, metadata, layer: int,
-                     kmeans: tuple[torch.Tensor, torch.Tensor] | None = None) -> RoutedKeys:
+                     kmeans: tuple[torch.Tensor, ...] | None = None) -> RoutedKeys:
     """q [N, H, D] the pass's rotated queries; summaries [cache rows / CHUNK, 3, Hkv, D] (the layer's
     KVCache.chunk_summaries) -> the keys each request's KV head reads; adds the prompt keys read and dense to
     metadata.routing's counters. kmeans: the layer's k-means regions, where the pass has kmeans requests."""
