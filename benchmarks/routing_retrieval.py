@@ -21,6 +21,7 @@ def main():
     ap.add_argument("--task", nargs="+", default=["passkey"], choices=RETRIEVAL_TASKS)
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8000])
     ap.add_argument("--items", type=int, default=100)
+    ap.add_argument("--skip", type=int, default=0, help="items passed over first (to extend an earlier run)")
     ap.add_argument("--budget", type=float, default=0.125)
     ap.add_argument("--method", default="dual-cache")
     ap.add_argument("--policies", nargs="+", default=["dense", *POLICIES], choices=["dense", *POLICIES])
@@ -31,7 +32,7 @@ def main():
     llm = LLM(args.model, device=args.device, dtype=args.dtype)
     rows = []
     for task, length in ((task, length) for task in args.task for length in args.lengths):
-        items = [item for item in load_test_set(task) if item.length == length][:args.items]
+        items = [item for item in load_test_set(task) if item.length == length][args.skip:args.skip + args.items]
         for policy in (None if name == "dense" else name for name in args.policies):
             params = SamplingParams(method=args.method, max_tokens=answer_length(task), block_length=32,
                                     threshold=1.0, kv_routing=policy, kv_budget=args.budget)
