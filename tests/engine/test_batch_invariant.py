@@ -60,7 +60,15 @@ def kernel_llms() -> dict[int, LLM]:
                       kernels=True, batch_invariant=True, kv_cache_bytes=1 << 28) for size in (1, 8)}
 
 
-@pytest.mark.parametrize("method", ["parallel", "dual-cache", "flash-cache", "flash-verify", "elastic"])
+# Interpreted on the CPU (minutes a method): there Flash-Cache (cached passes with the key mass, a first full pass)
+# and Elastic-Cache (its drift test) stand for the others, which the GPU runs too.
+ON_THE_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="interpreted on the CPU: covered there by "
+                                "flash-cache and elastic")
+
+
+@pytest.mark.parametrize("method", [pytest.param("parallel", marks=ON_THE_GPU), pytest.param("dual-cache",
+                                    marks=ON_THE_GPU), "flash-cache", pytest.param("flash-verify", marks=ON_THE_GPU),
+                                    "elastic"])
 def test_the_kernel_path_is_batch_invariant_too(kernel_llms, prompts, method):
     """The invariant GEMM, one tiling of the attention and norm kernels, the key mass summed in order; Elastic's
     drift test through the invariant GEMM, batched matmul and sums."""
