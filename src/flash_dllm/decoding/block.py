@@ -54,7 +54,7 @@ class BlockMethod(DecodingMethod):
         logits = self.block_logits(runner, batch, columns, plan)
         masked = batch.tokens.gather(1, columns) == batch.mask_id
         candidates, confidence = sample_tokens(logits, batch.temperature, batch.seed, batch.counters.steps, offsets,
-                                               sample=batch.is_sampling, mask_id=batch.mask_id)
+                                               sample=batch.is_sampling, mask_id=batch.mask_id, kernels=runner.kernels)
         confidence = self.confidence(batch, offsets, confidence).masked_fill(~masked, float("-inf"))
         return candidates, self.unmask(batch, confidence, masked)
 

@@ -343,7 +343,7 @@ class Elastic(DecodingMethod):
         logits = runner.model.compute_logits(runner.model.final_norm(h)).float()
         candidates, confidence = sample_tokens(logits, batch.temperature, batch.seed, batch.counters.steps,
                                                win_column - batch.gen_start, sample=batch.is_sampling,
-                                               mask_id=mask_id)
+                                               mask_id=mask_id, kernels=runner.kernels)
         transfer = transfer_threshold(confidence.masked_fill(~win_valid, float("-inf")), win_valid, batch.rule_value)
         tokens.scatter_(1, win_column, torch.where(transfer, candidates, tokens.gather(1, win_column)))
 

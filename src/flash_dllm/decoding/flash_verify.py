@@ -89,7 +89,7 @@ class FlashVerify(FlashCache):
         block = tokens.gather(1, columns)
         masked = block == mask_id
         drafts, confidence = sample_tokens(logits, batch.temperature, batch.seed, batch.counters.steps, offsets,
-                                           sample=batch.is_sampling, mask_id=mask_id)
+                                           sample=batch.is_sampling, mask_id=mask_id, kernels=runner.kernels)
         confidence = confidence.masked_fill(~masked, float("-inf"))
         accept_now = masked & (confidence >= batch.rule_value[:, None])              # D
         candidates = masked & ~accept_now                                             # S

@@ -85,7 +85,8 @@ def lossless_step(runner: ModelRunner, batch: DecodeBatch):
     columns = batch.gen_start + offsets
     logits = runner.full_logits(flat, batch.positions[row], batch.attention_mask[row], columns)
     candidates, confidence = sample_tokens(logits, batch.temperature[row], batch.seed[row], counters.steps[row] + index,
-                                           offsets, sample=batch.is_sampling, mask_id=mask_id)
+                                           offsets, sample=batch.is_sampling, mask_id=mask_id,
+                                           kernels=runner.kernels)
     masked = (flat.gather(1, columns) == mask_id) & exists
     current = torch.arange(2 * n, device=device) < n
     in_current = (masked & current).any(dim=1, keepdim=True)

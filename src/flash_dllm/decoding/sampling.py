@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.greedy_tokens import greedy_tokens, greedy_tokens_ref
+
 
 _MASK64 = (1 << 64) - 1
 
@@ -66,15 +68,20 @@ CHUNK_BYTES = 1 << 26
 
 
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor, step: torch.Tensor,
-                  column: torch.Tensor, sample: bool, mask_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+                  column: torch.Tensor, sample: bool, mask_id: int,
+                  kernels: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, n, V] -> (tokens [B, n], confidence [B, n] float64 = softmax(logits)[token]).
 
     With `sample`, tokens are Gumbel-max draws at each row's temperature: argmax(logits + T * g) on float64,
     which equals LLaDA's argmax(exp(logits) / (-log u)^T); rows with T = 0 stay greedy. The mask token is
     never a candidate (LLaDA's code could "decode" a position back to a mask); confidences are the
     unmodified softmax. Requests are taken in chunks of CHUNK_BYTES (every operation is per position, so the
-    numbers are those of the whole batch at once).
+    numbers are those of the whole batch at once). With `kernels` and no sampling, one Triton pass over the
+    logits (kernels/greedy_tokens.py: the same tokens, the confidences to float64's last bits).
     """
+    if kernels and not sample:
+        tokens, confidence = greedy_tokens(logits.reshape(-1, logits.shape[-1]), mask_id)
+        return tokens.view(logits.shape[:-1]), confidence.view(logits.shape[:-1])
     per_chunk = max(1, CHUNK_BYTES // max(1, logits[0].numel() * 8))
     if logits.shape[0] <= per_chunk:
         return _sample_chunk(logits, temperature, seed, step, column, sample, mask_id)
@@ -84,12 +91,9 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, seed: torch.T
 
 
 def _sample_chunk(logits, temperature, seed, step, column, sample: bool, mask_id: int):
+    if not sample:
+        return greedy_tokens_ref(logits, mask_id)
     logits = logits.double()
-    scores = logits
-    if sample:
-        scores = logits + temperature.double()[:, None, None] * gumbel_noise(seed, step, column, NOISE_STREAM,
-                                                                             logits.shape[-1])
-    scores = scores.index_fill(-1, torch.full((1,), mask_id, device=scores.device), float("-inf"))
-    tokens = scores.argmax(dim=-1)
-    confidence = torch.softmax(logits, dim=-1).gather(-1, tokens[..., None]).squeeze(-1)
-    return tokens, confidence
+    noisy = logits + temperature.double()[:, None, None] * gumbel_noise(seed, step, column, NOISE_STREAM,
+                                                                       logits.shape[-1])
+    return greedy_tokens_ref(logits, mask_id, scores=noisy)

@@ -15,6 +15,7 @@ import torch
 
 from ..cache.attention_metadata import AttentionMetadata, FlatRows
 from ..cache.kv_cache import KVCache
+from ..kernels.greedy_tokens import greedy_tokens
 
 # One row count per tile-size class of the kernels' launch configurations (by total and per-request rows),
 # each as one request and as several (the attention kernel's verify tiles depend on the batch too).
@@ -34,6 +35,7 @@ def compile_kernels(model, cache: KVCache, row_counts: tuple[int, ...] = ROW_COU
     """Run the three kinds of cached pass (cache write; with tracked rows; verify, which writes no cache)
     through the kernels for each number of requests and rows per request, over as many keys as rows and over
     LONG_KV, on the first cache rows (shared by the requests). ordered: the batch-invariant mode's variants.
+    Then the greedy sampler once over the vocabulary.
     Call before any sequence holds cache rows."""
     if ordered in _compiled.get(model, ()):
         return
@@ -56,4 +58,5 @@ def compile_kernels(model, cache: KVCache, row_counts: tuple[int, ...] = ROW_COU
             verify = shape(write_cache=False, hidden_keys=zeros(requests, kv, dtype=torch.bool),
                            self_visibility=torch.ones(requests, rows, rows, dtype=torch.bool, device=device))
             model.forward_cached(ids, positions, verify, cache, kernels=True)
+    greedy_tokens(zeros(1, model.config.vocab_size), mask_id=0)  # the sampler's, on the fp32 logits
     _compiled.setdefault(model, set()).add(ordered)
