@@ -14,7 +14,8 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAM
 }
 base=/tmp/base_tree
 if [ -n "${BASE:-}" ]; then
-  rm -rf $base && mkdir -p $base && tar -xf "$BASE" -C $base && ln -s "$PWD/src/flash_dllm/assets" $base/src/flash_dllm/assets
+  rm -rf $base && mkdir -p $base && tar -xf "$BASE" -C $base
+  ln -s "$PWD/src/flash_dllm/assets" $base/src/flash_dllm/assets
 fi
 if [[ $PART == *tests* ]]; then
   PYTHONPATH=$PWD/src step gpu_tests 200 python -m pytest -q -p no:cacheprovider tests/kernels/test_greedy_tokens.py \

@@ -10,15 +10,16 @@ from flash_dllm import LLM, SamplingParams
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 PROMPTS = [[5, 9, 13, 7], [11, 4, 6, 8, 12, 3, 10]]
-METHODS = [dict(method="dual-cache"), dict(method="flash-cache", tracking_budget=4, mask_window=8),
-           dict(method="flash-verify", tracking_budget=4, mask_window=8), dict(method="elastic", mask_window=4)]
-
-
-# every method on GQA (Flash-Cache's passes, interpreted on the CPU, are Flash-Verify's drafts: the GPU only); the
-# QKV bias (the fused projection's, the same for every method) with the cheapest one
+DUAL_CACHE = dict(method="dual-cache")
+# Flash-Cache's passes, interpreted on the CPU, are Flash-Verify's drafts: on the GPU only
 ON_THE_GPU = pytest.mark.skipif(DEVICE == "cpu", reason="interpreted on the CPU: flash-verify's drafts cover it")
-CASES = [("gqa_checkpoint", knobs) for knobs in METHODS if knobs["method"] != "flash-cache"] + [
-    pytest.param("gqa_checkpoint", METHODS[1], marks=ON_THE_GPU), ("bias_checkpoint", METHODS[0])]
+# every method on GQA; the QKV bias (the fused projection's, the same for every method) with the cheapest one
+CASES = [("gqa_checkpoint", DUAL_CACHE),
+         pytest.param("gqa_checkpoint", dict(method="flash-cache", tracking_budget=4, mask_window=8),
+                      marks=ON_THE_GPU),
+         ("gqa_checkpoint", dict(method="flash-verify", tracking_budget=4, mask_window=8)),
+         ("gqa_checkpoint", dict(method="elastic", mask_window=4)),
+         ("bias_checkpoint", DUAL_CACHE)]
 
 
 @pytest.mark.parametrize("checkpoint, knobs", CASES, ids=lambda v: v["method"] if isinstance(v, dict) else v)
