@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import flash_dllm
+from flash_dllm.models import layers
 from conftest import tiny_config, write_checkpoint
 
 P = "model.transformer."
@@ -261,6 +262,19 @@ def test_compute_logits_of_hidden_states_is_forward(checkpoint):
         # Only some rows' logits are wanted in decoding: compute_logits must work on any leading shape.
         rows = hidden[:, 4:9].reshape(-1, hidden.shape[-1])
         torch.testing.assert_close(model.compute_logits(rows), model(ids)[:, 4:9].reshape(rows.shape[0], -1))
+
+
+def test_mlp_in_row_chunks_matches_reference(checkpoint, monkeypatch):
+    """A pass over more than MLP_CHUNK_ROWS rows runs its MLP in row chunks (a batch-32 first pass's memory)."""
+    model = flash_dllm.load_model(checkpoint)
+    ids = random_ids(checkpoint, seed=5)
+    with torch.no_grad():
+        whole = model(ids)
+        monkeypatch.setattr(layers, "MLP_CHUNK_ROWS", 5)  # 2 x 13 rows: six chunks, the last one short
+        chunked = model(ids)
+    assert not chunked.isnan().any()
+    assert rel_err(chunked, Reference(checkpoint).batch(ids)) < 1e-5
+    assert rel_err(chunked, whole) < 1e-6
 
 
 def test_default_positions_and_mask(checkpoint):

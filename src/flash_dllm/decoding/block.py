@@ -34,7 +34,7 @@ class BlockMethod(DecodingMethod):
 
     def block_logits(self, runner: ModelRunner, batch: DecodeBatch, columns: torch.Tensor,
                      plan: StepPlan) -> torch.Tensor:
-        """fp32 logits [B, n, V] of the block columns [B, n]."""
+        """Logits [B, n, V] of the block columns [B, n] (fp32 from full passes, the model's dtype from cached ones)."""
         raise NotImplementedError
 
     def unmask(self, batch: DecodeBatch, confidence: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:

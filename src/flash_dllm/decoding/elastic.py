@@ -340,7 +340,7 @@ class Elastic(DecodingMethod):
                 rows = runner.logit_rows(refresh.flat_of_column, win_column)
                 h = torch.where((rows >= 0)[..., None], x_refresh[rows.clamp(min=0)], h)
 
-        logits = runner.model.compute_logits(runner.model.final_norm(h)).float()
+        logits = runner.model.compute_logits(runner.model.final_norm(h))  # the sampler upcasts to float64
         candidates, confidence = sample_tokens(logits, batch.temperature, batch.seed, batch.counters.steps,
                                                win_column - batch.gen_start, sample=batch.is_sampling,
                                                mask_id=mask_id, kernels=runner.kernels)

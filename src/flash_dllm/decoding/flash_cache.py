@@ -109,7 +109,7 @@ class FlashCache(Parallel):
 
     def draft(self, runner: ModelRunner, batch: DecodeBatch, columns: torch.Tensor,
               plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the step's query rows through the cached forward. Returns fp32 logits [B, n, V] of the block
+        """Run the step's query rows through the cached forward. Returns logits [B, n, V] (model dtype) of the block
         columns (rows of the block that are not queries are decoded positions, whose logits are never used)
         and the query columns [B, Qmax] (ascending; the batch width where a row has fewer)."""
         device, counts = batch.tokens.device, list(plan.counts)

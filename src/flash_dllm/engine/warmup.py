@@ -58,5 +58,6 @@ def compile_kernels(model, cache: KVCache, row_counts: tuple[int, ...] = ROW_COU
             verify = shape(write_cache=False, hidden_keys=zeros(requests, kv, dtype=torch.bool),
                            self_visibility=torch.ones(requests, rows, rows, dtype=torch.bool, device=device))
             model.forward_cached(ids, positions, verify, cache, kernels=True)
-    greedy_tokens(zeros(1, model.config.vocab_size), mask_id=0)  # the sampler's, on the fp32 logits
+    for dtype in {torch.float32, cache.k[0].dtype}:  # the sampler's: full passes' fp32 logits, cached passes' own
+        greedy_tokens(zeros(1, model.config.vocab_size, dtype=dtype), mask_id=0)
     _compiled.setdefault(model, set()).add(ordered)
