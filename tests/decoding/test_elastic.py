@@ -217,6 +217,25 @@ def test_drift_is_the_cosine_over_keys(mode):
     assert drift_similarity(before, after, torch.tensor([[False]], device=DEVICE)).item() == 1.0
 
 
+@pytest.mark.parametrize("heads, kv_heads, dim, rows, keys, dtype", [
+    (4, 4, 16, 5, 11, torch.bfloat16), (4, 2, 16, 5, 11, torch.bfloat16), (6, 2, 16, 5, 11, torch.float32),
+    (32, 32, 128, 32, 768, torch.bfloat16)])  # LLaDA-8B's heads, 32 tracked rows, 768 keys
+def test_attention_rows_are_einsums_bit_for_bit(heads, kv_heads, dim, rows, keys, dtype):
+    """The drift test's attention (keys copied once to the GEMM's layout) is the plain fp32 einsum's, bit for bit
+    (GQA, masked keys; a request with no visible key gets NaN rows in both)."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(3, rows, heads, dim, generator=g).to(DEVICE, dtype)
+    k = torch.randn(3, keys, kv_heads, dim, generator=g).to(DEVICE, dtype)
+    key_valid = (torch.rand(3, keys, generator=g) < 0.7).to(DEVICE)
+    key_valid[2] = False
+    expanded = k.repeat_interleave(heads // kv_heads, dim=2).float()
+    scores = torch.einsum("bthd,bkhd->bhtk", q.float(), expanded) * dim ** -0.5
+    expected = scores.masked_fill(~key_valid[:, None, None, :], float("-inf")).softmax(dim=-1)
+    attention = elastic.attention_rows(q, k, key_valid)
+    assert torch.equal(attention[:2], expected[:2])
+    assert attention[2].isnan().all() and expected[2].isnan().all()
+
+
 def test_the_kernel_drift_test_is_the_same_alone_and_padded():
     """attention_rows and drift_similarity through the invariant kernels: PyTorch's within rounding, and a
     request's bits the same alone as in a batch that pads its keys and tracked rows (and after the padding the

@@ -112,15 +112,21 @@ def attention_rows(q: torch.Tensor, keys: torch.Tensor, key_valid: torch.Tensor,
     """q [B, T, H, D], keys [B, K, Hkv, D], key_valid [B, K] -> softmax attention [B, H, T, K] in fp32.
     ordered: its sums over keys in one fixed order (batch-invariant decoding), with `kernels` through the
     invariant Triton kernels (the GPU's way: PyTorch's batched GEMMs and scans group their sums by the shape)."""
-    keys = keys.repeat_interleave(q.shape[2] // keys.shape[2], dim=2)  # GQA: kv head j serves heads j*g..
-    if ordered and kernels:
-        return _invariant_attention_rows(q, keys, key_valid)
+    (B, _, H, D), (K, num_kv_heads) = q.shape, keys.shape[1:3]
     if ordered:
+        keys = keys.repeat_interleave(H // num_kv_heads, dim=2)  # GQA: kv head j serves heads j*g..
+        if kernels:
+            return _invariant_attention_rows(q, keys, key_valid)
         keys = keys.transpose(1, 2)
         return ordered_attention(q.transpose(1, 2), keys, torch.zeros_like(keys[..., :1]),
                                  key_valid[:, None, None, :])[1]
-    scores = torch.einsum("bthd,bkhd->bhtk", q.float(), keys.float()) * q.shape[-1] ** -0.5
-    return scores.masked_fill(~key_valid[:, None, None, :], float("-inf")).softmax(dim=-1)
+    # The keys in one copy to the fp32 [B, H, D, K] the batched GEMM reads (GQA's repeat folded in): the GEMM of
+    # einsum("bthd,bkhd->bhtk"), whose cast, repeat and permuted copy moved ~10x the keys' bytes (at batch 32
+    # about 1 GB a call, two calls a layer).
+    keys_t = torch.empty(B, num_kv_heads, H // num_kv_heads, D, K, dtype=torch.float32, device=q.device)
+    keys_t.copy_(keys.permute(0, 2, 3, 1)[:, :, None])
+    scores = torch.matmul(q.float().transpose(1, 2), keys_t.view(B, H, D, K)).mul_(D ** -0.5)
+    return scores.masked_fill_(~key_valid[:, None, None, :], float("-inf")).softmax(dim=-1)
 
 
 def _invariant_attention_rows(q: torch.Tensor, keys: torch.Tensor, key_valid: torch.Tensor) -> torch.Tensor:
