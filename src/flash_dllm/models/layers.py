@@ -260,7 +260,9 @@ class DecoderLayer(nn.Module):
         return self._mlp_residual(x, kernels, invariant)
 
     def _mlp_residual(self, x: torch.Tensor, kernels: bool, invariant: bool) -> torch.Tensor:
-        """x + mlp(norm(x)) over [..., d], at most MLP_CHUNK_ROWS rows at a time (every row's numbers are its own)."""
+        """x + mlp(norm(x)) over [..., d], at most MLP_CHUNK_ROWS rows at a time (a row's MLP reads no other row;
+        its GEMMs' rounding could still follow the row count, which the embedded tasks' tokens on the H200 did not
+        show)."""
         rows = x.reshape(-1, x.shape[-1])
         if rows.shape[0] <= MLP_CHUNK_ROWS:
             return x + self.mlp(self.mlp_norm(x, kernels, invariant), kernels, invariant)
