@@ -3,6 +3,7 @@ busy time against wall time, the top kernels, and the same step's forward pass r
 
     python benchmarks/profile_step.py --model random:llada-8b --cases flash-cache:1 flash-cache:32 dual-cache:1
     python benchmarks/profile_step.py --model random:<long config> --prompt-length 8192 --cases dual-cache:1:chunk
+    python benchmarks/profile_step.py --cases elastic:32 --skip 300 --steps 4
 """
 from __future__ import annotations
 
@@ -64,6 +65,8 @@ def main():
     ap.add_argument("--prompt-length", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--skip", type=int, default=4, help="steps run before the timed ones (e.g. 300: late in a request, "
+                                                        "where Elastic-Cache's refreshes may differ)")
     ap.add_argument("--batch-invariant", action="store_true")
     args = ap.parse_args()
     llm = LLM(args.model, device="cuda", dtype=args.dtype, kernels=args.kernels == "on",
@@ -74,7 +77,7 @@ def main():
         engine = make_engine(llm, method, int(batch), args.prompt_length, args.max_tokens,
                              routing[0] if routing else None, args.kv_budget)
         runner = engine.runner
-        for _ in range(4):
+        for _ in range(args.skip):
             engine.step()
         torch.cuda.synchronize()
         start = time.perf_counter()
@@ -125,7 +128,7 @@ def main():
                     graph.replay()
                 torch.cuda.synchronize()
                 graph_ms = (time.perf_counter() - t) * 100
-        summary.append((case, wall, gpu_ms, len(calls) / (2 * args.steps + 4), eager_ms, graph_ms))
+        summary.append((case, wall, gpu_ms, len(calls) / (2 * args.steps + args.skip), eager_ms, graph_ms))
         del engine
         torch.cuda.empty_cache()
     print(f"\n| case (kernels {args.kernels}, graphs {args.cuda_graphs}) | wall ms/step | GPU busy ms/step | "
