@@ -116,6 +116,48 @@ def test_no_refresh_recomputes_only_the_query_set(llm, monkeypatch):
     assert length < out.query_rows <= length + (out.steps - 1) * (4 + 4 + layers)
 
 
+def test_reuse_pass_drift_is_the_cosine_of_the_cache_before_and_after(llm, monkeypatch):
+    """Each layer's similarity in the reuse pass against one computed from snapshots of the cache: the tracked
+    rows' attention from their cached inputs over the keys before the pass, against that from the inputs the pass
+    wrote over the keys after it (plain einsum attention)."""
+    checked = []
+
+    def reuse_pass(runner, batch, reuse, tracked, drift):
+        cache = runner.cache
+        keys_before = [k.clone() for k in cache.k]
+        inputs_before = [h.clone() for h in cache.hidden_states()]
+        x, key_mass, similarity = real_reuse_pass(runner, batch, reuse, tracked, drift)
+        if not drift:
+            return x, key_mass, similarity
+        cfg, width, lengths, base = runner.model.config, batch.tokens.shape[1], batch.lengths, batch.cache_base
+        columns, valid = elastic.leading_columns(tracked, min(cfg.num_layers * batch.params.settings.track_num, width))
+        position = (columns - (width - lengths)[:, None]).clamp(min=0)
+        cos, sin = rotary_cos_sin(position, cfg.head_dim, cfg.rope_theta)
+        key_valid = torch.arange(width) < lengths[:, None]
+        key_slot = base[:, None] + torch.where(key_valid, torch.arange(width), 0)
+        slot = base[:, None] + position
+
+        def attention(layer, inputs, keys):
+            q = layer.queries(inputs[slot], cos, sin).float()
+            k = keys[key_slot].repeat_interleave(cfg.num_heads // cfg.num_kv_heads, dim=2).float()
+            scores = torch.einsum("bthd,bkhd->bhtk", q, k) * cfg.head_dim ** -0.5
+            return scores.masked_fill(~key_valid[:, None, None, :], float("-inf")).softmax(dim=-1)
+
+        for index, layer in enumerate(runner.model.layers):
+            before = attention(layer, inputs_before[index], keys_before[index])
+            after = attention(layer, cache.hidden_states()[index], cache.k[index])
+            expected = drift_similarity(before, after, valid)
+            torch.testing.assert_close(similarity[index], expected, rtol=0, atol=1e-6)
+        checked.append(bool((similarity < 1 - 1e-6).any()))
+        return x, key_mass, similarity
+
+    real_reuse_pass = elastic._reuse_pass
+    monkeypatch.setattr(elastic, "_reuse_pass", reuse_pass)
+    params = SamplingParams(method="elastic", max_tokens=24, threshold=0.95, mask_window=4, drift_threshold=0.5)
+    llm.generate(PROMPTS[:3], params)
+    assert len(checked) > 3 and any(checked)  # steps with a drift test, some where the attention moved
+
+
 def test_refresh_is_a_forward_from_the_cached_inputs(deep_checkpoint):
     """_refresh_pass from layer 2 for one row and layer 1 for another (a third not refreshing) equals, per
     row, the plain forward of those layers from the cached input hidden states of the first one."""
@@ -231,9 +273,25 @@ def test_attention_rows_are_einsums_bit_for_bit(heads, kv_heads, dim, rows, keys
     expanded = k.repeat_interleave(heads // kv_heads, dim=2).float()
     scores = torch.einsum("bthd,bkhd->bhtk", q.float(), expanded) * dim ** -0.5
     expected = scores.masked_fill(~key_valid[:, None, None, :], float("-inf")).softmax(dim=-1)
-    attention = elastic.attention_rows(q, k, key_valid)
+    attention = elastic.attention_rows(q, elastic.key_layout(k, heads), key_valid)
     assert torch.equal(attention[:2], expected[:2])
     assert attention[2].isnan().all() and expected[2].isnan().all()
+
+
+@pytest.mark.parametrize("ordered", [False, True])
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_set_keys_is_the_layout_of_the_rewritten_keys(ordered, kv_heads):
+    """The reuse pass's "after" keys: the "before" layout with the query rows' keys overwritten in place is the
+    layout of the keys as the cache holds them after the layer, bit for bit (so the drift test reads one gather
+    of the keys a layer, not two)."""
+    g = torch.Generator().manual_seed(2)
+    keys = torch.randn(3, 9, kv_heads, 8, generator=g).bfloat16().to(DEVICE)
+    request, position = torch.tensor([0, 0, 2, 1], device=DEVICE), torch.tensor([3, 8, 0, 5], device=DEVICE)
+    rewritten = torch.randn(4, kv_heads, 8, generator=g).bfloat16().to(DEVICE)
+    layout = elastic.key_layout(keys, 4, ordered)
+    elastic.set_keys(layout, request, position, rewritten, ordered)
+    keys[request, position] = rewritten
+    assert torch.equal(layout, elastic.key_layout(keys, 4, ordered))
 
 
 def test_the_kernel_drift_test_is_the_same_alone_and_padded():
@@ -244,9 +302,11 @@ def test_the_kernel_drift_test_is_the_same_alone_and_padded():
     q, keys = (torch.randn(*shape, generator=g).bfloat16().to(DEVICE) for shape in ((2, 3, 4, 16), (2, 10, 2, 16)))
     lengths = torch.tensor([7, 10], device=DEVICE)
     key_valid = torch.arange(10, device=DEVICE) < lengths[:, None]
-    rows = partial(elastic.attention_rows, ordered=True, kernels=True)
+    def rows(q, keys, key_valid):
+        return elastic.attention_rows(q, elastic.key_layout(keys, 4, ordered=True), key_valid, ordered=True,
+                                      kernels=True)
     batched = rows(q, keys, key_valid)                                               # [B, H, T, K]
-    reference = elastic.attention_rows(q, keys, key_valid)
+    reference = elastic.attention_rows(q, elastic.key_layout(keys, 4), key_valid)
     assert ((batched - reference).norm() / reference.norm()).item() < 1e-5
     assert torch.equal(rows(q[:1], keys[:1, :7], key_valid[:1, :7]), batched[:1, ..., :7])
     assert not batched[0, ..., 7:].any()

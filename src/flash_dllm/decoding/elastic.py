@@ -107,25 +107,43 @@ def leading_columns(mask: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
     return columns, mask.gather(1, columns)
 
 
+def key_layout(keys: torch.Tensor, heads: int, ordered: bool = False) -> torch.Tensor:
+    """keys [B, K, Hkv, D] -> the drift test's copy of them, one per query head (GQA: kv head j serves heads
+    j*g..): [B, K, H, D] as they are in the ordered modes, whose sums run over this layout; else fp32 [B, H, D, K],
+    the layout the batched GEMM reads, in one copy (einsum("bthd,bkhd->bhtk") made three: the cast, the repeat
+    and its own permuted copy; at batch 32 about 1 GB a call)."""
+    B, K, num_kv_heads, D = keys.shape
+    if ordered:
+        return keys.repeat_interleave(heads // num_kv_heads, dim=2)
+    layout = torch.empty(B, num_kv_heads, heads // num_kv_heads, D, K, dtype=torch.float32, device=keys.device)
+    layout.copy_(keys.permute(0, 2, 3, 1)[:, :, None])
+    return layout.view(B, heads, D, K)
+
+
+def set_keys(layout: torch.Tensor, request: torch.Tensor, position: torch.Tensor, keys: torch.Tensor,
+             ordered: bool = False):
+    """Overwrite, in a key_layout, the keys of (request[i], position[i]) with keys [N, Hkv, D]."""
+    heads = layout.shape[2] if ordered else layout.shape[1]
+    keys = keys.repeat_interleave(heads // keys.shape[1], dim=1)                      # [N, H, D]
+    if ordered:
+        layout[request, position] = keys
+    else:
+        layout.permute(0, 3, 1, 2)[request, position] = keys.float()
+
+
 def attention_rows(q: torch.Tensor, keys: torch.Tensor, key_valid: torch.Tensor, ordered: bool = False,
                    kernels: bool = False) -> torch.Tensor:
-    """q [B, T, H, D], keys [B, K, Hkv, D], key_valid [B, K] -> softmax attention [B, H, T, K] in fp32.
-    ordered: its sums over keys in one fixed order (batch-invariant decoding), with `kernels` through the
-    invariant Triton kernels (the GPU's way: PyTorch's batched GEMMs and scans group their sums by the shape)."""
-    (B, _, H, D), (K, num_kv_heads) = q.shape, keys.shape[1:3]
+    """q [B, T, H, D], keys (`key_layout` of [B, K, Hkv, D], in the same mode), key_valid [B, K] -> softmax
+    attention [B, H, T, K] in fp32: the fp32 einsum's, bit for bit. ordered: its sums over keys in one fixed
+    order (batch-invariant decoding), with `kernels` through the invariant Triton kernels (the GPU's way:
+    PyTorch's batched GEMMs and scans group their sums by the shape)."""
+    if ordered and kernels:
+        return _invariant_attention_rows(q, keys, key_valid)
     if ordered:
-        keys = keys.repeat_interleave(H // num_kv_heads, dim=2)  # GQA: kv head j serves heads j*g..
-        if kernels:
-            return _invariant_attention_rows(q, keys, key_valid)
         keys = keys.transpose(1, 2)
         return ordered_attention(q.transpose(1, 2), keys, torch.zeros_like(keys[..., :1]),
                                  key_valid[:, None, None, :])[1]
-    # The keys in one copy to the fp32 [B, H, D, K] the batched GEMM reads (GQA's repeat folded in): the GEMM of
-    # einsum("bthd,bkhd->bhtk"), whose cast, repeat and permuted copy moved ~10x the keys' bytes (at batch 32
-    # about 1 GB a call, two calls a layer).
-    keys_t = torch.empty(B, num_kv_heads, H // num_kv_heads, D, K, dtype=torch.float32, device=q.device)
-    keys_t.copy_(keys.permute(0, 2, 3, 1)[:, :, None])
-    scores = torch.matmul(q.float().transpose(1, 2), keys_t.view(B, H, D, K)).mul_(D ** -0.5)
+    scores = torch.matmul(q.float().transpose(1, 2), keys).mul_(q.shape[-1] ** -0.5)
     return scores.masked_fill_(~key_valid[:, None, None, :], float("-inf")).softmax(dim=-1)
 
 
@@ -209,7 +227,7 @@ def _reuse_pass(runner: ModelRunner, batch: DecodeBatch, reuse: CachedPass, trac
         t_cos, t_sin = rotary_cos_sin(t_position, cfg.head_dim, cfg.rope_theta)
         key_valid = torch.arange(width, device=device) < lengths[:, None]
         key_slot = base[:, None] + torch.where(key_valid, torch.arange(width, device=device), 0)
-        drift_inputs = (t_slot, t_flat, t_cos, t_sin, t_valid, key_slot, key_valid)
+        drift_inputs = (t_slot, t_flat, t_cos, t_sin, t_valid, key_slot, key_valid, reuse.request)
     m = reuse.metadata
     tensors = (reuse.input_ids, reuse.positions, m.cu_seqlens_q, m.kv_start, m.kv_len, m.slot_mapping, m.track_rows,
                *drift_inputs)
@@ -230,9 +248,10 @@ def _replayed(runner: ModelRunner, p: CachedPass, key: tuple, layers, tensors: t
 
 def _reuse_layers(model, cache, kernels: bool, metadata: AttentionMetadata, width: int, input_ids, positions,
                   cu_seqlens_q, kv_start, kv_len, slot_mapping, track_rows, t_slot=None, t_flat=None, t_cos=None,
-                  t_sin=None, t_valid=None, key_slot=None, key_valid=None):
+                  t_sin=None, t_valid=None, key_slot=None, key_valid=None, row_request=None):
     """The reuse pass's layers on tensors only (a CUDA graph replays it): the metadata's host values come from
-    `metadata`, its tensors are the arguments; the drift test runs where t_slot is given."""
+    `metadata`, its tensors are the arguments; the drift test runs where t_slot is given (row_request [N]: each
+    query row's batch row)."""
     layers, hidden = model.layers, cache.hidden_states()
     metadata = dataclasses.replace(metadata, cu_seqlens_q=cu_seqlens_q, kv_start=kv_start, kv_len=kv_len,
                                    slot_mapping=slot_mapping, track_rows=track_rows)
@@ -244,13 +263,15 @@ def _reuse_layers(model, cache, kernels: bool, metadata: AttentionMetadata, widt
     ordered, invariant = metadata.ordered, metadata.ordered and kernels  # invariant: the GPU's batch-invariant path
     for index, layer in enumerate(layers):
         if drift:  # before: the cached inputs' queries against the keys as cached
-            before = attention_rows(layer.queries(hidden[index][t_slot], t_cos, t_sin, invariant),
-                                    cache.k[index][key_slot], key_valid, ordered, kernels)
+            keys = key_layout(cache.k[index][key_slot], model.config.num_heads, ordered)
+            before = attention_rows(layer.queries(hidden[index][t_slot], t_cos, t_sin, invariant), keys, key_valid,
+                                    ordered, kernels)
             q_after = layer.queries(x[t_flat], t_cos, t_sin, invariant)
         hidden[index][slot_mapping] = x
         x = layer.forward_cached(x, rope, metadata, cache, key_mass[index], kernels)
-        if drift:
-            after = attention_rows(q_after, cache.k[index][key_slot], key_valid, ordered, kernels)
+        if drift:  # after: the same keys but the query rows', which the layer has just rewritten in the cache
+            set_keys(keys, row_request, positions, cache.k[index][key_slot[row_request, positions]], ordered)
+            after = attention_rows(q_after, keys, key_valid, ordered, kernels)
             similarity[index] = drift_similarity(before, after, t_valid, ordered, kernels)
     return x, key_mass, similarity
 
