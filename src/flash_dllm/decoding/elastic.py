@@ -134,7 +134,7 @@ def set_keys(layout: torch.Tensor, request: torch.Tensor, position: torch.Tensor
 def attention_rows(q: torch.Tensor, keys: torch.Tensor, key_valid: torch.Tensor, ordered: bool = False,
                    kernels: bool = False) -> torch.Tensor:
     """q [B, T, H, D], keys (`key_layout` of [B, K, Hkv, D], in the same mode), key_valid [B, K] -> softmax
-    attention [B, H, T, K] in fp32: the fp32 einsum's, bit for bit. ordered: its sums over keys in one fixed
+    attention [B, H, T, K] in fp32 (by default the fp32 einsum's, bit for bit). ordered: its sums over keys in one fixed
     order (batch-invariant decoding), with `kernels` through the invariant Triton kernels (the GPU's way:
     PyTorch's batched GEMMs and scans group their sums by the shape)."""
     if ordered and kernels:
@@ -261,6 +261,8 @@ def _reuse_layers(model, cache, kernels: bool, metadata: AttentionMetadata, widt
     rope = Rotary.at(positions, model.config)
     x = model.embed(input_ids)
     ordered, invariant = metadata.ordered, metadata.ordered and kernels  # invariant: the GPU's batch-invariant path
+    if drift:  # the query rows' own key slots, which each layer rewrites
+        row_slot = key_slot[row_request, positions]
     for index, layer in enumerate(layers):
         if drift:  # before: the cached inputs' queries against the keys as cached
             keys = key_layout(cache.k[index][key_slot], model.config.num_heads, ordered)
@@ -270,7 +272,7 @@ def _reuse_layers(model, cache, kernels: bool, metadata: AttentionMetadata, widt
         hidden[index][slot_mapping] = x
         x = layer.forward_cached(x, rope, metadata, cache, key_mass[index], kernels)
         if drift:  # after: the same keys but the query rows', which the layer has just rewritten in the cache
-            set_keys(keys, row_request, positions, cache.k[index][key_slot[row_request, positions]], ordered)
+            set_keys(keys, row_request, positions, cache.k[index][row_slot], ordered)
             after = attention_rows(q_after, keys, key_valid, ordered, kernels)
             similarity[index] = drift_similarity(before, after, t_valid, ordered, kernels)
     return x, key_mass, similarity
