@@ -37,7 +37,7 @@ CORPUS = [
 def eos_biased_llm(path: Path, **kwargs) -> LLM:
     """An fp32 CPU LLM on a random checkpoint whose eos logit is scaled up, so that some requests stop
     early and the early-stop path is exercised."""
-    llm = LLM(str(path), device="cpu", dtype="float32", **kwargs)
+    llm = LLM(str(path), **{"device": "cpu", "dtype": "float32", **kwargs})
     llm.model.lm_head.weight[llm.special.stop_ids[0]] *= 2.5
     return llm
 

@@ -22,6 +22,7 @@ from flash_dllm.models.layers import apply_rotary, rotary_cos_sin
 
 PROMPTS = ["What is 3 + 4?", "Tom has 3 apples and buys 4 more. How many?", "x", "The passkey is 48213."]
 CACHE_BYTES = 1 << 22  # zeroing the default 1 GiB would dominate these small runs
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernels: on the GPU, else interpreted
 
 
 @pytest.fixture(scope="module")
@@ -116,10 +117,14 @@ def test_no_refresh_recomputes_only_the_query_set(llm, monkeypatch):
     assert length < out.query_rows <= length + (out.steps - 1) * (4 + 4 + layers)
 
 
-def test_reuse_pass_drift_is_the_cosine_of_the_cache_before_and_after(llm, monkeypatch):
+@pytest.mark.parametrize("kernels", [False, True], ids=["reference", "kernels"])
+def test_reuse_pass_drift_is_the_cosine_of_the_cache_before_and_after(request, monkeypatch, kernels):
     """Each layer's similarity in the reuse pass against one computed from snapshots of the cache: the tracked
     rows' attention from their cached inputs over the keys before the pass, against that from the inputs the pass
-    wrote over the keys after it (plain einsum attention)."""
+    wrote over the keys after it (plain einsum attention). Through the kernels (interpreted on the CPU), the
+    drift test is kernels/drift_cosine.py's."""
+    llm = (eos_biased_llm(request.getfixturevalue("gqa_checkpoint"), max_batch_size=3, kv_cache_bytes=CACHE_BYTES,
+                          kernels=True, device=DEVICE) if kernels else request.getfixturevalue("llm"))
     checked = []
 
     def reuse_pass(runner, batch, reuse, tracked, drift):
@@ -133,8 +138,8 @@ def test_reuse_pass_drift_is_the_cosine_of_the_cache_before_and_after(llm, monke
         columns, valid = elastic.leading_columns(tracked, min(cfg.num_layers * batch.params.settings.track_num, width))
         position = (columns - (width - lengths)[:, None]).clamp(min=0)
         cos, sin = rotary_cos_sin(position, cfg.head_dim, cfg.rope_theta)
-        key_valid = torch.arange(width) < lengths[:, None]
-        key_slot = base[:, None] + torch.where(key_valid, torch.arange(width), 0)
+        key_valid = torch.arange(width, device=base.device) < lengths[:, None]
+        key_slot = base[:, None] + torch.where(key_valid, torch.arange(width, device=base.device), 0)
         slot = base[:, None] + position
 
         def attention(layer, inputs, keys):
@@ -237,7 +242,6 @@ def test_refresh_passes_replay_with_the_eager_tokens(deep_checkpoint, monkeypatc
 
 
 DRIFT_MODES = {"default": {}, "ordered": dict(ordered=True), "kernels": dict(ordered=True, kernels=True)}
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernels: on the GPU, else interpreted
 
 
 @pytest.mark.parametrize("mode", DRIFT_MODES)

@@ -55,6 +55,7 @@ import torch.nn.functional as F
 
 from ..cache.attention_metadata import AttentionMetadata
 from ..kernels.attention import ordered_attention, ordered_sum
+from ..kernels.drift_cosine import drift_cosine
 from ..kernels.invariant_matmul import invariant_bmm, invariant_sum
 from ..models.layers import Rotary, rotary_cos_sin
 from .base import DecodingMethod, check, knob
@@ -177,10 +178,15 @@ def drift_similarity(before: torch.Tensor, after: torch.Tensor, valid: torch.Ten
         cosine = (dot / (before_sq.sqrt() * after_sq.sqrt()).clamp(min=1e-8)).mean(dim=1)  # [B, T]
         total = ordered_sum(torch.where(valid, cosine, 0.0), dim=1)
     else:
-        cosine = F.cosine_similarity(before, after, dim=-1).mean(dim=1)              # [B, T]
-        total = torch.where(valid, cosine, 0.0).sum(dim=1)
+        return mean_over_tracked(F.cosine_similarity(before, after, dim=-1).mean(dim=1), valid)
     count = valid.sum(dim=1)
     return torch.where(count > 0, total / count.clamp(min=1), 1.0)
+
+
+def mean_over_tracked(cosine: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """cosine [B, T] (averaged over heads), valid [B, T] -> [B]: the mean over valid tracked rows (1 where none)."""
+    count = valid.sum(dim=1)
+    return torch.where(count > 0, torch.where(valid, cosine, 0.0).sum(dim=1) / count.clamp(min=1), 1.0)
 
 
 def select_tracked(key_mass: torch.Tensor, decoded: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
@@ -216,25 +222,15 @@ def _leading_groups(m: AttentionMetadata, counts: list[int], groups: int) -> tup
 def _reuse_pass(runner: ModelRunner, batch: DecodeBatch, reuse: CachedPass, tracked: torch.Tensor, drift: bool):
     """Every layer over the query rows. Returns their final hidden states [N, d], the window's attention mass
     per layer [L, B, W] (by position) and, with `drift`, the tracked rows' similarity per layer [L, B].
-    With CUDA graphs, the layers and the drift test replay as one graph."""
-    cfg, width, device = runner.model.config, batch.tokens.shape[1], batch.tokens.device
-    drift_inputs = ()
-    if drift:  # the tracked rows [B, T] and every row's keys [B, W]
-        lengths, base = batch.lengths, batch.cache_base
-        t_column, t_valid = leading_columns(tracked, min(cfg.num_layers * batch.params.settings.track_num, width))
-        t_position = (t_column - (width - lengths)[:, None]).clamp(min=0)
-        t_slot, t_flat = base[:, None] + t_position, reuse.flat_of_column.gather(1, t_column).clamp(min=0)
-        t_cos, t_sin = rotary_cos_sin(t_position, cfg.head_dim, cfg.rope_theta)
-        key_valid = torch.arange(width, device=device) < lengths[:, None]
-        key_slot = base[:, None] + torch.where(key_valid, torch.arange(width, device=device), 0)
-        drift_inputs = (t_slot, t_flat, t_cos, t_sin, t_valid, key_slot, key_valid, reuse.request)
-    m = reuse.metadata
+    With CUDA graphs, the layers and the drift test (its inputs included) replay as one graph."""
+    width, m = batch.tokens.shape[1], reuse.metadata
+    tracked_rows = min(runner.model.config.num_layers * batch.params.settings.track_num, width) if drift else 0
     tensors = (reuse.input_ids, reuse.positions, m.cu_seqlens_q, m.kv_start, m.kv_len, m.slot_mapping, m.track_rows,
-               *drift_inputs)
-    layers = functools.partial(_reuse_layers, runner.model, runner.cache, runner.kernels, m, width)
+               *((tracked, reuse.flat_of_column, reuse.request) if drift else ()))
+    layers = functools.partial(_reuse_layers, runner.model, runner.cache, runner.kernels, m, width, tracked_rows)
     # Captured at its exact row count: padding rows would change the GEMMs' shapes, and cuBLAS's rounding with
     # them (2 of 100 embedded trace items decoded differently in fp32 on the H200).
-    return _replayed(runner, reuse, ("elastic reuse", m.max_q, m.max_kv, width), layers, tensors)
+    return _replayed(runner, reuse, ("elastic reuse", m.max_q, m.max_kv, width, tracked_rows), layers, tensors)
 
 
 def _replayed(runner: ModelRunner, p: CachedPass, key: tuple, layers, tensors: tuple[torch.Tensor, ...]):
@@ -246,32 +242,51 @@ def _replayed(runner: ModelRunner, p: CachedPass, key: tuple, layers, tensors: t
     return runner.graphs.run((*key, *((tuple(t.shape), t.dtype) for t in tensors)), layers, tensors)
 
 
-def _reuse_layers(model, cache, kernels: bool, metadata: AttentionMetadata, width: int, input_ids, positions,
-                  cu_seqlens_q, kv_start, kv_len, slot_mapping, track_rows, t_slot=None, t_flat=None, t_cos=None,
-                  t_sin=None, t_valid=None, key_slot=None, key_valid=None, row_request=None):
+def _reuse_layers(model, cache, kernels: bool, metadata: AttentionMetadata, width: int, tracked_rows: int, input_ids,
+                  positions, cu_seqlens_q, kv_start, kv_len, slot_mapping, track_rows, tracked=None,
+                  flat_of_column=None, row_request=None):
     """The reuse pass's layers on tensors only (a CUDA graph replays it): the metadata's host values come from
-    `metadata`, its tensors are the arguments; the drift test runs where t_slot is given (row_request [N]: each
+    `metadata`, its tensors are the arguments; with `tracked` [B, W], the drift test over its first `tracked_rows`
+    tracked columns per row (flat_of_column [B, W]: the pass's flat row of each column; row_request [N]: each
     query row's batch row)."""
-    layers, hidden = model.layers, cache.hidden_states()
+    cfg, layers, hidden = model.config, model.layers, cache.hidden_states()
     metadata = dataclasses.replace(metadata, cu_seqlens_q=cu_seqlens_q, kv_start=kv_start, kv_len=kv_len,
                                    slot_mapping=slot_mapping, track_rows=track_rows)
-    B, drift = kv_start.shape[0], t_slot is not None
-    key_mass = torch.zeros(len(layers), B, width, device=input_ids.device)
-    similarity = torch.ones(len(layers), B, device=input_ids.device)
-    rope = Rotary.at(positions, model.config)
+    B, drift, device = kv_start.shape[0], tracked is not None, input_ids.device
+    key_mass = torch.zeros(len(layers), B, width, device=device)
+    similarity = torch.ones(len(layers), B, device=device)
+    rope = Rotary.at(positions, cfg)
     x = model.embed(input_ids)
     ordered, invariant = metadata.ordered, metadata.ordered and kernels  # invariant: the GPU's batch-invariant path
-    if drift:  # the query rows' own key slots, which each layer rewrites
+    fused = drift and kernels and not ordered  # the drift test in one kernel a layer (kernels/drift_cosine.py)
+    if drift:  # the tracked rows [B, T], every row's keys [B, W] and the query rows' own key slots [N]
+        t_column, t_valid = leading_columns(tracked, tracked_rows)
+        t_position = (t_column - (width - kv_len)[:, None]).clamp(min=0)
+        t_slot, t_flat = kv_start[:, None] + t_position, flat_of_column.gather(1, t_column).clamp(min=0)
+        t_cos, t_sin = rotary_cos_sin(t_position, cfg.head_dim, cfg.rope_theta)
+        key_valid = torch.arange(width, device=device) < kv_len[:, None]
+        key_slot = kv_start[:, None] + torch.where(key_valid, torch.arange(width, device=device), 0)
         row_slot = key_slot[row_request, positions]
+    if fused:  # each query row's flat index at its position (the old keys' row), and both queries' rotations
+        before_row = torch.full(key_slot.shape, -1, dtype=torch.long, device=device)
+        before_row[row_request, positions] = torch.arange(positions.shape[0], device=device)
+        t_cos, t_sin = torch.cat((t_cos, t_cos), dim=1), torch.cat((t_sin, t_sin), dim=1)
     for index, layer in enumerate(layers):
-        if drift:  # before: the cached inputs' queries against the keys as cached
+        if fused:  # before and after queries in one projection; the keys the layer is about to rewrite
+            q_before, q_after = layer.queries(torch.cat((hidden[index][t_slot], x[t_flat]), dim=1),
+                                              t_cos, t_sin).chunk(2, dim=1)
+            old_keys = cache.k[index][row_slot]
+        elif drift:  # before: the cached inputs' queries against the keys as cached
             keys = key_layout(cache.k[index][key_slot], model.config.num_heads, ordered)
             before = attention_rows(layer.queries(hidden[index][t_slot], t_cos, t_sin, invariant), keys, key_valid,
                                     ordered, kernels)
             q_after = layer.queries(x[t_flat], t_cos, t_sin, invariant)
         hidden[index][slot_mapping] = x
         x = layer.forward_cached(x, rope, metadata, cache, key_mass[index], kernels)
-        if drift:  # after: the same keys but the query rows', which the layer has just rewritten in the cache
+        if fused:
+            cosine = drift_cosine(q_before, q_after, cache.k[index], kv_start, kv_len, before_row, old_keys)
+            similarity[index] = mean_over_tracked(cosine.mean(dim=1), t_valid)
+        elif drift:  # after: the same keys but the query rows', which the layer has just rewritten in the cache
             set_keys(keys, row_request, positions, cache.k[index][row_slot], ordered)
             after = attention_rows(q_after, keys, key_valid, ordered, kernels)
             similarity[index] = drift_similarity(before, after, t_valid, ordered, kernels)

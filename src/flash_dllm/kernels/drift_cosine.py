@@ -1,0 +1,121 @@
+"""Elastic-Cache's drift test at one layer (Triton), beside its PyTorch reference.
+
+The tracked rows' attention before a step's update of the layer (queries of their cached inputs against the keys
+as cached) against after it (fresh queries against the keys with the step's query rows rewritten): the cosine of
+the two softmax distributions over the request's keys, per head and tracked row. In PyTorch that is two
+[B, H, T, keys] fp32 score tensors, their softmaxes and three reductions, and a copy of the keys per call; the
+kernel reads each key tile once for both, in its storage dtype, and keeps three running sums per row:
+with p = exp(s - m) / l, cos(p_b, p_a) = sum(e_b e_a) / sqrt(sum(e_b^2) sum(e_a^2)) for e = exp(s - m), as the
+normalisers l cancel, so one online pass rescaling the sums by each new running max gives it.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the reference works without triton; only the kernel needs it
+    triton = None
+
+
+def drift_cosine_ref(q_before: torch.Tensor, q_after: torch.Tensor, k_cache: torch.Tensor, cache_base: torch.Tensor,
+                     lengths: torch.Tensor, before_row: torch.Tensor, old_keys: torch.Tensor) -> torch.Tensor:
+    """q_before, q_after [B, T, H, D]: the tracked rows' queries; k_cache [rows, Hkv, D] after the layer's write;
+    request b's position k at cache row cache_base[b] + k, for k < lengths[b]; before_row [B, >= max length]: the row
+    of old_keys [N, Hkv, D] that held position k's key before the write (-1: the cache's is unchanged).
+    -> [B, H, T] fp32: cosine over the keys of the softmax attention before and after (scaled by D^-0.5)."""
+    H, D, width = q_before.shape[2], q_before.shape[3], before_row.shape[1]
+    position = torch.arange(width, device=k_cache.device)
+    valid = position < lengths[:, None]                                                  # [B, W]
+    after = k_cache[cache_base[:, None] + torch.where(valid, position, 0)]              # [B, W, Hkv, D]
+    before = torch.where((before_row >= 0)[..., None, None], old_keys[before_row.clamp(min=0)], after)
+
+    def attention(q, keys):
+        keys = keys.repeat_interleave(H // keys.shape[2], dim=2).float()
+        scores = torch.einsum("bthd,bkhd->bhtk", q.float(), keys) * D ** -0.5
+        return scores.masked_fill(~valid[:, None, None, :], float("-inf")).softmax(dim=-1)
+
+    return F.cosine_similarity(attention(q_before, before), attention(q_after, after), dim=-1)
+
+
+def drift_cosine(q_before: torch.Tensor, q_after: torch.Tensor, k_cache: torch.Tensor, cache_base: torch.Tensor,
+                 lengths: torch.Tensor, before_row: torch.Tensor, old_keys: torch.Tensor) -> torch.Tensor:
+    """The Triton kernel of drift_cosine_ref (same arguments, same result up to the order of its sums). Graph
+    capturable: no host syncs (the key loop runs to the batch's width, masked past each request's length)."""
+    if triton is None:
+        raise RuntimeError("drift_cosine needs triton; use drift_cosine_ref")
+    (B, T, H, D), width, num_kv_heads = q_before.shape, before_row.shape[1], k_cache.shape[1]
+    assert q_after.shape == q_before.shape and q_before.stride(-1) == q_after.stride(-1) == 1
+    assert k_cache.stride(-1) == old_keys.stride(-1) == 1 and before_row.is_contiguous()
+    out = torch.empty(B, H, T, dtype=torch.float32, device=q_before.device)
+    if B == 0 or T == 0:
+        return out
+    block_t = min(64, max(16, triton.next_power_of_2(T)))
+    dot_fp32 = q_before.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
+    grid = (B, H, triton.cdiv(T, block_t))
+    _drift_cosine_kernel[grid](
+        q_before, q_after, k_cache, old_keys, cache_base, lengths, before_row, out,
+        q_before.stride(0), q_before.stride(1), q_before.stride(2), q_after.stride(0), q_after.stride(1),
+        q_after.stride(2), k_cache.stride(0), k_cache.stride(1), old_keys.stride(0), old_keys.stride(1),
+        T, width, D ** -0.5 * 1.4426950408889634,
+        GROUP=H // num_kv_heads, D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_T=block_t, BLOCK_K=64,
+        DOT_FP32=dot_fp32, num_warps=4)
+    return out
+
+
+if triton is not None:
+    @triton.jit(do_not_specialize=["T", "width"])
+    def _drift_cosine_kernel(qb_ptr, qa_ptr, k_ptr, old_ptr, base_ptr, len_ptr, row_ptr, out_ptr,
+                             stride_qbb, stride_qbt, stride_qbh, stride_qab, stride_qat, stride_qah,
+                             stride_kr, stride_kh, stride_or, stride_oh, T, width, scale_log2,
+                             GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+                             BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
+        # Program (request, head, tile of tracked rows): one sweep over the request's keys for both queries.
+        seq, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        kv_head = head // GROUP
+        o_t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
+        o_d = tl.arange(0, BLOCK_D)
+        m_t, m_d = o_t < T, o_d < D
+        m_q = m_t[:, None] & m_d[None, :]
+        b_qb = tl.load(qb_ptr + seq * stride_qbb + o_t[:, None] * stride_qbt + head * stride_qbh + o_d[None, :],
+                       mask=m_q, other=0.0)
+        b_qa = tl.load(qa_ptr + seq * stride_qab + o_t[:, None] * stride_qat + head * stride_qah + o_d[None, :],
+                       mask=m_q, other=0.0)
+        base, length = tl.load(base_ptr + seq), tl.load(len_ptr + seq)
+        max_b = tl.full([BLOCK_T], float("-inf"), tl.float32)
+        max_a = tl.full([BLOCK_T], float("-inf"), tl.float32)
+        sum_ab = tl.zeros([BLOCK_T], tl.float32)
+        sum_bb = tl.zeros([BLOCK_T], tl.float32)
+        sum_aa = tl.zeros([BLOCK_T], tl.float32)
+        for start in range(0, length, BLOCK_K):
+            o_k = start + tl.arange(0, BLOCK_K)
+            m_k = o_k < length
+            b_after = tl.load(k_ptr + (base + o_k)[:, None] * stride_kr + kv_head * stride_kh + o_d[None, :],
+                              mask=m_k[:, None] & m_d[None, :], other=0.0)
+            b_row = tl.load(row_ptr + seq * width + o_k, mask=m_k, other=-1)
+            b_old = tl.load(old_ptr + b_row[:, None].to(tl.int64) * stride_or + kv_head * stride_oh + o_d[None, :],
+                            mask=(b_row >= 0)[:, None] & m_d[None, :], other=0.0)
+            b_before = tl.where((b_row >= 0)[:, None], b_old, b_after)
+            if DOT_FP32:  # exact fp32 products; also the interpreter's path, whose 16-bit tl.dot is wrong
+                s_b = tl.dot(b_qb.to(tl.float32), tl.trans(b_before.to(tl.float32)), input_precision="ieee")
+                s_a = tl.dot(b_qa.to(tl.float32), tl.trans(b_after.to(tl.float32)), input_precision="ieee")
+            else:  # 16-bit products are exact in the fp32 accumulator
+                s_b = tl.dot(b_qb, tl.trans(b_before))
+                s_a = tl.dot(b_qa, tl.trans(b_after))
+            s_b = tl.where(m_k[None, :], s_b * scale_log2, float("-inf"))
+            s_a = tl.where(m_k[None, :], s_a * scale_log2, float("-inf"))
+            new_b = tl.maximum(max_b, tl.max(s_b, 1))
+            new_a = tl.maximum(max_a, tl.max(s_a, 1))
+            e_b = tl.exp2(s_b - new_b[:, None])
+            e_a = tl.exp2(s_a - new_a[:, None])
+            r_b, r_a = tl.exp2(max_b - new_b), tl.exp2(max_a - new_a)
+            sum_bb = sum_bb * r_b * r_b + tl.sum(e_b * e_b, 1)
+            sum_aa = sum_aa * r_a * r_a + tl.sum(e_a * e_a, 1)
+            sum_ab = sum_ab * r_b * r_a + tl.sum(e_b * e_a, 1)
+            max_b, max_a = new_b, new_a
+        cosine = sum_ab / tl.sqrt(sum_bb * sum_aa)
+        tl.store(out_ptr + (seq * tl.num_programs(1) + head) * T + o_t, cosine, mask=m_t)
