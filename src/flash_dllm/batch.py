@@ -88,6 +88,7 @@ class DecodeBatch:
     cache_base: torch.Tensor | None  # [B] first KV-cache row of each sequence (cached methods)
     state: Any                    # the method's per-position state, [B, W] tensors aligned with tokens
     next_query_rows: torch.Tensor | None = None  # [B] set by a step whose next query counts vary
+    number: int = 0  # its number on the runner (0: none): graphs that read and write its tensors replay only over it
 
     @property
     def gen_start(self) -> int:
@@ -113,7 +114,8 @@ class DecodeBatch:
             row.query_rows += count
 
     @classmethod
-    def build(cls, rows: list[RowState], mask_id: int, stop_ids: torch.Tensor, pad_id: int) -> DecodeBatch:
+    def build(cls, rows: list[RowState], mask_id: int, stop_ids: torch.Tensor, pad_id: int, number: int = 0
+              ) -> DecodeBatch:
         """Stack the rows' tokens, counters and state into padded batch tensors (on membership changes only)."""
         device = rows[0].tokens.device
         lengths = torch.tensor([row.length for row in rows], device=device)
@@ -136,7 +138,7 @@ class DecodeBatch:
             is_sampling=any(row.params.temperature > 0 for row in rows),
             cache_base=(torch.tensor([row.cache_base for row in rows], device=device)
                         if rows[0].cache_base is not None else None),
-            state=state,
+            state=state, number=number,
         )
 
     def unpack(self, keep: list[bool]):

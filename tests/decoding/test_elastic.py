@@ -227,7 +227,8 @@ class StaticCapture:
 @pytest.mark.parametrize("drift_threshold", [1.0, 0.97])
 def test_refresh_passes_replay_with_the_eager_tokens(deep_checkpoint, monkeypatch, drift_threshold):
     """Refreshes whose first layers and lengths repeat replay from one graph each (here with captures that rerun
-    Python on static inputs), with the eager tokens, steps and query rows; the reuse passes too."""
+    Python on static inputs), with the eager tokens, steps and query rows; the reuse passes and the decoding of the
+    window after them too."""
     params = SamplingParams(method="elastic", max_tokens=24, threshold=0.9, mask_window=6,
                             drift_threshold=drift_threshold, temperature=0.5, seed=1)
     llm = LLM(str(deep_checkpoint), device="cpu", dtype="float32", max_batch_size=2, kv_cache_bytes=CACHE_BYTES)
@@ -238,7 +239,7 @@ def test_refresh_passes_replay_with_the_eager_tokens(deep_checkpoint, monkeypatc
     assert [(o.token_ids, o.steps, o.query_rows) for o in outputs] == \
         [(o.token_ids, o.steps, o.query_rows) for o in expected]
     captured = {key[0] for key in llm.runner.graphs.graphs}
-    assert {"elastic refresh", "elastic reuse"} <= captured and llm.runner.graphs.replays > 0
+    assert {"elastic refresh", "elastic reuse", "elastic decode"} <= captured and llm.runner.graphs.replays > 0
 
 
 DRIFT_MODES = {"default": {}, "ordered": dict(ordered=True), "kernels": dict(ordered=True, kernels=True)}

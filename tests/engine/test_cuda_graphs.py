@@ -75,7 +75,7 @@ def test_whole_steps_go_through_the_step_graphs_in_place(gqa_checkpoint, knobs, 
     finish_state = LLMEngine._finish_state
 
     def checked_finish_state(engine):
-        before = storage.setdefault(engine.batch_number, batch_tensors(engine.batch))
+        before = storage.setdefault(engine.batch.number, batch_tensors(engine.batch))
         assert batch_tensors(engine.batch) == before
         return finish_state(engine)
 

@@ -384,17 +384,34 @@ class Elastic(DecodingMethod):
                 rows = runner.logit_rows(refresh.flat_of_column, win_column)
                 h = torch.where((rows >= 0)[..., None], x_refresh[rows.clamp(min=0)], h)
 
-        logits = runner.model.compute_logits(runner.model.final_norm(h))  # the sampler upcasts to float64
-        candidates, confidence = sample_tokens(logits, batch.temperature, batch.seed, batch.counters.steps,
-                                               win_column - batch.gen_start, sample=batch.is_sampling,
-                                               mask_id=mask_id, kernels=runner.kernels)
-        transfer = transfer_threshold(confidence.masked_fill(~win_valid, float("-inf")), win_valid, batch.rule_value)
-        tokens.scatter_(1, win_column, torch.where(transfer, candidates, tokens.gather(1, win_column)))
+        tensors = (h, win_column, win_valid, key_mass, decoded)
+        decode = functools.partial(_decode_window, runner, batch)
+        if runner.graphs is None:
+            next_query_rows, = decode(*tensors)
+        else:  # one launch instead of ~50 small ones (batch 1 is launch-bound here); it reads the batch in place
+            key = ("elastic decode", batch.number, *((tuple(t.shape), t.dtype) for t in tensors))
+            next_query_rows, = runner.graphs.run(key, decode, tensors)
+        batch.next_query_rows = next_query_rows
 
-        state.newly = torch.zeros_like(window).scatter_(1, win_column, transfer)
-        state.tracked = select_tracked(key_mass, decoded, batch.lengths, settings.track_num)
-        next_window = window_mask(tokens, batch.gen_start, settings.mask_window, mask_id, batch.stop_ids)
-        next_queries = state.tracked | state.newly | next_window | runner.logit_sources(next_window)
-        batch.next_query_rows = next_queries.sum(dim=1)
-        batch.counters.steps += 1
-        batch.counters.nfe += 1
+
+def _decode_window(runner: ModelRunner, batch: DecodeBatch, h: torch.Tensor, win_column: torch.Tensor,
+                   win_valid: torch.Tensor, key_mass: torch.Tensor, decoded: torch.Tensor) -> tuple[torch.Tensor]:
+    """The step after its passes, on tensors (a CUDA graph replays it over its batch): the window's [B, beta]
+    logits from its final hidden states h [B, beta, d], the threshold rule's transfer into the tokens, the next
+    step's newly decoded and tracked positions (the batch's state, written in place) and the counters. Returns each
+    row's query rows of the next step [B]."""
+    settings, tokens, state, mask_id = batch.params.settings, batch.tokens, batch.state, batch.mask_id
+    logits = runner.model.compute_logits(runner.model.final_norm(h))  # the sampler upcasts to float64
+    candidates, confidence = sample_tokens(logits, batch.temperature, batch.seed, batch.counters.steps,
+                                           win_column - batch.gen_start, sample=batch.is_sampling,
+                                           mask_id=mask_id, kernels=runner.kernels)
+    transfer = transfer_threshold(confidence.masked_fill(~win_valid, float("-inf")), win_valid, batch.rule_value)
+    tokens.scatter_(1, win_column, torch.where(transfer, candidates, tokens.gather(1, win_column)))
+
+    state.newly.zero_().scatter_(1, win_column, transfer)
+    state.tracked.copy_(select_tracked(key_mass, decoded, batch.lengths, settings.track_num))
+    next_window = window_mask(tokens, batch.gen_start, settings.mask_window, mask_id, batch.stop_ids)
+    next_queries = state.tracked | state.newly | next_window | runner.logit_sources(next_window)
+    batch.counters.steps += 1
+    batch.counters.nfe += 1
+    return (next_queries.sum(dim=1),)

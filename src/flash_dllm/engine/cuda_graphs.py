@@ -8,7 +8,8 @@ replayed in one launch:
   of its passes): the engine replays it while the batch and the plan repeat (Flash-Cache's steady steps, the
   steps of dual-cache's blocks). It reads and writes the batch's tensors where they are.
 - a cached pass, for the other methods (Flash-Verify's draft pass) and for Elastic-Cache's reuse pass: its
-  inputs are copied into the graph's static tensors and its output copied out. A pass that does not write the
+  inputs are copied into the graph's static tensors and its output copied out (Elastic-Cache's decoding of the
+  window after its passes likewise, reading and writing its batch in place). A pass that does not write the
   cache (Flash-Verify's verify pass, whose row count changes every iteration) is replayed padded to a bucket of
   rows, so that its shapes repeat.
 A capture costs about two calls, so a key is captured only once it has been seen CAPTURE_AFTER times: one-off

@@ -30,7 +30,6 @@ class LLMEngine:
         self.scheduler = Scheduler(max_batch_size)
         self.running: list[Sequence] = []  # the batch's sequences, row by row
         self.batch: DecodeBatch | None = None
-        self.batch_number = 0  # the batch's number on the runner: a step graph replays only over its own batch
         self.allocator: CacheAllocator | None = None
         self.stop_ids = torch.tensor(special.stop_ids, device=self.device)
         self._request_ids = itertools.count()
@@ -109,7 +108,7 @@ class LLMEngine:
             method.run(runner, batch, plan)
             return self._finish_state()
         if runner.uses_graphs(plan.rows):
-            return self._collect_finished(*runner.graphs.run(("step", self.batch_number, method.name, plan),
+            return self._collect_finished(*runner.graphs.run(("step", batch.number, method.name, plan),
                                                              whole_step))
         return self._collect_finished(*whole_step())
 
@@ -131,9 +130,9 @@ class LLMEngine:
             seq.status = SequenceStatus.RUNNING
             seq.start_time = time.perf_counter()
         self.running = running + admitted
-        self.batch_number = next(self.runner.batch_numbers)  # counted by the runner: engines may share one
+        number = next(self.runner.batch_numbers)  # counted by the runner: engines may share one
         self.batch = (DecodeBatch.build([seq.row for seq in self.running], self.special.mask_id, self.stop_ids,
-                                        self.special.pad_id) if self.running else None)
+                                        self.special.pad_id, number) if self.running else None)
 
     def _finish_state(self) -> tuple[torch.Tensor, torch.Tensor]:
         """On the device, after a step: [4 or 5, B] (finished, block index, step in block, final length, and the

@@ -81,7 +81,7 @@ class ModelRunner:
         self.kv_cache_bytes = kv_cache_bytes
         self.cache: KVCache | None = None
         self.graphs: CudaGraphs | None = None
-        self.batch_numbers = itertools.count(1)  # every engine's batches on this runner (the step graphs' keys)
+        self.batch_numbers = itertools.count(1)  # every engine's batches on this runner (keys of graphs over them)
         self.logits_checked = False
 
     @property
