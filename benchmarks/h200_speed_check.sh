@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 15's A/B run on the device: this tree against another (BASE=<a `git archive` of its src/flash_dllm without
 # assets/>) in one call, each step bounded in time and logged to $OUT as it goes:
-#   tests    the GPU tests of the sampler and its kernel;
+#   tests    the GPU tests of the sampler, Elastic-Cache (its drift kernel) and the CUDA graphs;
 #   tokens   the embedded tasks' tokens of every cached method, fp32, BASE's recording against this tree's;
 #   bench    `bench generate` at the batch sizes and methods given, BASE first, then this tree.
 #   BASE=base.tar [PART=tests,tokens,bench] [BATCHES="1 32"] [METHODS="..."] bash benchmarks/h200_speed_check.sh
@@ -19,7 +19,8 @@ if [ -n "${BASE:-}" ]; then
 fi
 if [[ $PART == *tests* ]]; then
   PYTHONPATH=$PWD/src step gpu_tests 200 python -m pytest -q -p no:cacheprovider tests/kernels/test_greedy_tokens.py \
-      tests/decoding/test_sampling.py tests/decoding/test_elastic.py
+      tests/kernels/test_drift_cosine.py tests/decoding/test_sampling.py tests/decoding/test_elastic.py \
+      tests/engine/test_cuda_graphs.py
 fi
 if [[ $PART == *tokens* && -n "${BASE:-}" ]]; then
   variants="dual-cache flash-cache flash-verify elastic"
