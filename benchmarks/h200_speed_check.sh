@@ -3,8 +3,9 @@
 # assets/>) in one call, each step bounded in time and logged to $OUT as it goes:
 #   tests    the GPU tests of the sampler, Elastic-Cache (its drift kernel) and the CUDA graphs;
 #   tokens   the embedded tasks' tokens of every cached method, fp32, BASE's recording against this tree's;
-#   bench    `bench generate` at the batch sizes and methods given, BASE first, then this tree.
-#   BASE=base.tar [PART=tests,tokens,bench] [BATCHES="1 32"] [METHODS="..."] bash benchmarks/h200_speed_check.sh
+#   bench    `bench generate` at the batch sizes and methods given, BASE first, then this tree;
+#   anatomy  Elastic-Cache's batch-1 request step by step (benchmarks/elastic_anatomy.py), this tree.
+#   BASE=base.tar [PART=tests,tokens,bench,anatomy] [BATCHES="1 32"] [METHODS="..."] bash benchmarks/h200_speed_check.sh
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 PART=${PART:-tests,tokens,bench}
@@ -37,4 +38,7 @@ if [[ $PART == *bench* ]]; then
     TAIL=8 PYTHONPATH=$PWD/src step "bench_b$batch" 280 python -m flash_dllm.cli bench generate --batch-sizes "$batch" \
         --methods $methods
   done
+fi
+if [[ $PART == *anatomy* ]]; then
+  TAIL=6 PYTHONPATH=$PWD/src step anatomy_b1 150 python -u benchmarks/elastic_anatomy.py --batch 1 --calls 1
 fi
