@@ -235,11 +235,16 @@ def _reuse_pass(runner: ModelRunner, batch: DecodeBatch, reuse: CachedPass, trac
 
 def _replayed(runner: ModelRunner, p: CachedPass, key: tuple, layers, tensors: tuple[torch.Tensor, ...]):
     """layers(*tensors) for the pass p, replayed from one CUDA graph per key and tensor shapes where the runner
-    replays a pass of its rows. A routed pass runs eagerly: its routing (its rows in the prompt) is not among the
-    graph's inputs."""
-    if not runner.uses_graphs(p.input_ids.shape[0]) or p.metadata.routing is not None:
+    replays it (`_graphed`)."""
+    if not _graphed(runner, p):
         return layers(*tensors)
     return runner.graphs.run((*key, *((tuple(t.shape), t.dtype) for t in tensors)), layers, tensors)
+
+
+def _graphed(runner: ModelRunner, p: CachedPass) -> bool:
+    """Whether the pass p replays from graphs: the runner replays a pass of its rows, and it is not routed (its
+    routing, its rows in the prompt, is not among a graph's inputs)."""
+    return runner.uses_graphs(p.input_ids.shape[0]) and p.metadata.routing is None
 
 
 def _reuse_layers(model, cache, kernels: bool, metadata: AttentionMetadata, width: int, tracked_rows: int, input_ids,
@@ -317,7 +322,7 @@ def _refresh_pass(runner: ModelRunner, batch: DecodeBatch, first_layer: list[int
              m.track_rows, row_start, runner.constant(order))
     layer = functools.partial(_refresh_layer, runner.model, runner.cache, runner.kernels, m, lengths)
     steps = [(index, bisect_right(starts, index)) for index in range(starts[0], num_layers)]
-    if not runner.uses_graphs(refresh.input_ids.shape[0]) or m.routing is not None:  # routing: not a graph input
+    if not _graphed(runner, refresh):
         for step in steps:
             layer(step, *state)
         return refresh, x

@@ -45,7 +45,7 @@ def drift_cosine_ref(q_before: torch.Tensor, q_after: torch.Tensor, k_cache: tor
 def drift_cosine(q_before: torch.Tensor, q_after: torch.Tensor, k_cache: torch.Tensor, cache_base: torch.Tensor,
                  lengths: torch.Tensor, before_row: torch.Tensor, old_keys: torch.Tensor) -> torch.Tensor:
     """The Triton kernel of drift_cosine_ref (same arguments, same result up to the order of its sums). Graph
-    capturable: no host syncs (the key loop runs to the batch's width, masked past each request's length)."""
+    capturable: no host syncs (each program's key loop runs to its request's length, read on the device)."""
     if triton is None:
         raise RuntimeError("drift_cosine needs triton; use drift_cosine_ref")
     (B, T, H, D), width, num_kv_heads = q_before.shape, before_row.shape[1], k_cache.shape[1]
@@ -68,6 +68,8 @@ def drift_cosine(q_before: torch.Tensor, q_after: torch.Tensor, k_cache: torch.T
 
 
 if triton is not None:
+    from .flash_attention import _dot  # exact fp32 products where DOT_FP32 (and under the interpreter)
+
     @triton.jit(do_not_specialize=["T", "width"])
     def _drift_cosine_kernel(qb_ptr, qa_ptr, k_ptr, old_ptr, base_ptr, len_ptr, row_ptr, out_ptr,
                              stride_qbb, stride_qbt, stride_qbh, stride_qab, stride_qat, stride_qah,
@@ -100,12 +102,8 @@ if triton is not None:
             b_old = tl.load(old_ptr + b_row[:, None].to(tl.int64) * stride_or + kv_head * stride_oh + o_d[None, :],
                             mask=(b_row >= 0)[:, None] & m_d[None, :], other=0.0)
             b_before = tl.where((b_row >= 0)[:, None], b_old, b_after)
-            if DOT_FP32:  # exact fp32 products; also the interpreter's path, whose 16-bit tl.dot is wrong
-                s_b = tl.dot(b_qb.to(tl.float32), tl.trans(b_before.to(tl.float32)), input_precision="ieee")
-                s_a = tl.dot(b_qa.to(tl.float32), tl.trans(b_after.to(tl.float32)), input_precision="ieee")
-            else:  # 16-bit products are exact in the fp32 accumulator
-                s_b = tl.dot(b_qb, tl.trans(b_before))
-                s_a = tl.dot(b_qa, tl.trans(b_after))
+            s_b = _dot(b_qb, tl.trans(b_before), DOT_FP32)
+            s_a = _dot(b_qa, tl.trans(b_after), DOT_FP32)
             s_b = tl.where(m_k[None, :], s_b * scale_log2, float("-inf"))
             s_a = tl.where(m_k[None, :], s_a * scale_log2, float("-inf"))
             new_b = tl.maximum(max_b, tl.max(s_b, 1))
