@@ -186,36 +186,6 @@ def test_capture_policy(monkeypatch):
     assert graphed.captures == 3
 
 
-def test_steps_policy(monkeypatch):
-    """run_steps: eager on the caller's state for the first CAPTURE_AFTER sightings of a key; then one static copy
-    of the state, each step captured at its first run there and replayed after, so that a suffix of the steps (a
-    refresh from a later layer) replays the graphs an earlier call captured; the state comes out as eager runs
-    leave it, and the caller's tensors stay untouched once replayed."""
-    monkeypatch.setattr(GraphedCalls, "_capture", lambda self, fn, tensors: ReplayingCapture(fn, tensors))
-    graphed = GraphedCalls(torch.device("cpu"))
-
-    def step(index, x, scale):  # in place: x = x * scale + index
-        x.mul_(scale).add_(index)
-
-    def expected(start, x, scale):
-        for index in range(start, 6):
-            x = x * scale + index
-        return x
-
-    key, scale = ("refresh", 8), torch.tensor(2.0)
-    for start in [0] * CAPTURE_AFTER:  # eager, on the caller's tensors
-        x = torch.arange(8.0)
-        out = graphed.run_steps(key, list(range(start, 6)), step, (x, scale))
-        assert out[0] is x and torch.equal(x, expected(start, torch.arange(8.0), scale))
-    assert graphed.captures == 0 and key not in graphed.graphs
-    for start in (3, 0, 4):  # layers 3-5 captured first; then 0-2; then only replays
-        x = torch.arange(8.0) + start
-        out = graphed.run_steps(key, list(range(start, 6)), step, (x, scale))
-        assert torch.equal(out[0], expected(start, torch.arange(8.0) + start, scale))
-        assert torch.equal(x, torch.arange(8.0) + start)  # the static copy was updated, not the caller's
-    assert graphed.captures == 6 and graphed.replays == 3 + 2 and len(graphed.graphs) == 1
-
-
 def test_verify_passes_of_one_bucket_share_a_graph(monkeypatch):
     """Passes that do not write the cache are replayed padded to a bucket of rows: row counts that vary
     within one bucket share one graph, and the output keeps only the pass's own rows."""

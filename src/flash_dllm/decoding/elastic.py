@@ -303,8 +303,8 @@ def _refresh_pass(runner: ModelRunner, batch: DecodeBatch, first_layer: list[int
     """Recompute layers first_layer[b]..L-1 over every position of the rows b with first_layer[b] < L, each
     from its cached input hidden states at its first layer. Overwrites their key_mass rows at those layers
     (the attention of the `predicting` [B, W] rows).
-    Returns the pass and its final hidden states [N, d], or None if no row refreshes. With CUDA graphs, its layers
-    replay from one graph each per lengths, whatever the first layers."""
+    Returns the pass and its final hidden states [N, d], or None if no row refreshes. With CUDA graphs, a
+    refresh whose first layers and lengths repeat replays as one graph."""
     num_layers = len(runner.model.layers)
     order = sorted((b for b, first in enumerate(first_layer) if first < num_layers), key=first_layer.__getitem__)
     if not order:
@@ -314,43 +314,38 @@ def _refresh_pass(runner: ModelRunner, batch: DecodeBatch, first_layer: list[int
     starts = tuple(first_layer[b] for b in order)
     lengths = [batch.rows[b].length for b in order]
     refresh = _prepare(runner, batch, order, batch.attention_mask, lengths, predicting)
-    m, rope = refresh.metadata, Rotary.at(refresh.positions, runner.model.config)
+    m = refresh.metadata
     row_start = runner.constant(list(starts))[refresh.rows.request]                  # [N] each row's first layer
-    x = torch.zeros(refresh.positions.shape[0], runner.model.config.hidden_size, dtype=runner.dtype,
-                    device=key_mass.device)
-    state = (x, key_mass, rope.positions, rope.cos, rope.sin, m.cu_seqlens_q, m.kv_start, m.kv_len, m.slot_mapping,
-             m.track_rows, row_start, runner.constant(order))
-    layer = functools.partial(_refresh_layer, runner.model, runner.cache, runner.kernels, m, lengths)
-    steps = [(index, bisect_right(starts, index)) for index in range(starts[0], num_layers)]
-    if not _graphed(runner, refresh):
-        for step in steps:
-            layer(step, *state)
-        return refresh, x
-    key = ("elastic refresh", tuple(lengths), *((tuple(t.shape), t.dtype) for t in state))
-    x, mass = runner.graphs.run_steps(key, steps, layer, state)[:2]
-    if mass is not key_mass:  # replayed: the static copy holds the refreshed layers' mass
+    tensors = (refresh.positions, m.cu_seqlens_q, m.kv_start, m.kv_len, m.slot_mapping, m.track_rows, row_start,
+               runner.constant(order), key_mass)
+    layers = functools.partial(_refresh_layers, runner.model, runner.cache, runner.kernels, m, lengths, starts)
+    x, mass = _replayed(runner, refresh, ("elastic refresh", starts, tuple(lengths)), layers, tensors)
+    if mass is not key_mass:  # replayed: the graph's static copy holds the refreshed layers' mass
         key_mass.copy_(mass)
     return refresh, x
 
 
-def _refresh_layer(model, cache, kernels: bool, metadata: AttentionMetadata, lengths: list[int], step: tuple[int, int],
-                   x, key_mass, positions, cos, sin, cu_seqlens_q, kv_start, kv_len, slot_mapping, track_rows,
-                   row_start, order):
-    """One layer of the refresh pass on tensors only (a CUDA graph per layer replays it, shared by refreshes from
-    any first layer), updating x [N, d] and key_mass in place. step: the layer's index and its number of groups:
-    group g (batch row order[g], lengths[g] rows) has joined by then, from its cached input hidden states at its
-    first layer (row_start), so the rows active at a layer are a prefix of the pass."""
-    index, groups = step
+def _refresh_layers(model, cache, kernels: bool, metadata: AttentionMetadata, lengths: list[int],
+                    starts: tuple[int, ...], positions, cu_seqlens_q, kv_start, kv_len, slot_mapping, track_rows,
+                    row_start, order, key_mass):
+    """The refresh pass's layers on tensors only (a CUDA graph replays it): group g (batch row order[g], lengths[g]
+    rows) joins at layer starts[g] (ascending), so the rows active at a layer are a prefix of the pass.
+    Returns the final hidden states [N, d] and key_mass with the refreshed rows' layers overwritten."""
+    layers, hidden = model.layers, cache.hidden_states()
     metadata = dataclasses.replace(metadata, cu_seqlens_q=cu_seqlens_q, kv_start=kv_start, kv_len=kv_len,
                                    slot_mapping=slot_mapping, track_rows=track_rows)
-    layer_metadata, n = _leading_groups(metadata, lengths, groups)
-    hidden = cache.hidden_states()[index]
-    x.copy_(torch.where((row_start == index)[:, None], hidden[slot_mapping], x))  # rows joining here
-    hidden[slot_mapping[:n]] = x[:n]
-    mass = torch.zeros(groups, layer_metadata.max_kv, device=x.device)
-    x[:n] = model.layers[index].forward_cached(x[:n], Rotary(positions, cos, sin)[:n], layer_metadata, cache, mass,
-                                               kernels)
-    key_mass[index, order[:groups]] = F.pad(mass, (0, key_mass.shape[2] - layer_metadata.max_kv))
+    rope = Rotary.at(positions, model.config)
+    x = torch.zeros(positions.shape[0], model.config.hidden_size, dtype=hidden[0].dtype, device=positions.device)
+    for index in range(starts[0], len(layers)):
+        groups = bisect_right(starts, index)
+        layer_metadata, n = _leading_groups(metadata, lengths, groups)
+        if index in starts:  # rows joining here start from their cached inputs
+            x = torch.where((row_start == index)[:, None], hidden[index][slot_mapping], x)
+        hidden[index][slot_mapping[:n]] = x[:n]
+        mass = torch.zeros(groups, layer_metadata.max_kv, device=x.device)
+        x[:n] = layers[index].forward_cached(x[:n], rope[:n], layer_metadata, cache, mass, kernels)
+        key_mass[index, order[:groups]] = F.pad(mass, (0, key_mass.shape[2] - layer_metadata.max_kv))
+    return x, key_mass
 
 
 class Elastic(DecodingMethod):

@@ -20,7 +20,6 @@ tensors; `CudaGraphs` applies it to the runner's cached forward.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections import OrderedDict
 
 import torch
@@ -97,19 +96,6 @@ class _CapturedCall:
         return tuple(None if t is None else t.clone() for t in self.outputs)
 
 
-def _no_outputs(fn, *args) -> tuple:
-    fn(*args)
-    return ()
-
-
-class _CapturedSteps:
-    """The steps of one GraphedCalls.run_steps key: the static state they update in place, and a graph per step."""
-
-    def __init__(self, tensors: tuple[torch.Tensor, ...]):
-        self.state = tuple(t.clone() for t in tensors)
-        self.graphs: dict = {}
-
-
 class GraphedCalls:
     """Calls `fn(*tensors) -> tuple of tensors` replayed from CUDA graphs, one per key (the caller's: every
     shape and host value the call depends on). A key is captured once it has been seen CAPTURE_AFTER times (a
@@ -125,7 +111,7 @@ class GraphedCalls:
 
     def __init__(self, device: torch.device, max_graphs: int = 16):
         self.device, self.max_graphs = device, max_graphs
-        self.graphs: OrderedDict[tuple, _CapturedCall | _CapturedSteps] = OrderedDict()
+        self.graphs: OrderedDict[tuple, _CapturedCall] = OrderedDict()
         self.sightings: dict[tuple, int] = {}  # eager runs of each key not captured
         self.constants: OrderedDict[tuple[int, ...], torch.Tensor] = OrderedDict()  # least recently used first
         self.read_by_capture: list[torch.Tensor] | None = None  # None: no capture under way
@@ -140,59 +126,21 @@ class GraphedCalls:
             return fn(*tensors)
         captured = self.graphs.get(key)
         if captured is None:
-            if not self._seen_enough(key):
+            if self.sightings.get(key, 0) < CAPTURE_AFTER:
+                if len(self.sightings) > 1024:  # many one-off shapes: forget them
+                    self.sightings.clear()
+                self.sightings[key] = self.sightings.get(key, 0) + 1
                 return fn(*tensors)
-            captured = self._keep(key, self._capture(fn, tensors))
+            del self.sightings[key]
+            captured = self.graphs[key] = self._capture(fn, tensors)
             self.captures += 1
+            if len(self.graphs) > self.max_graphs:
+                self.graphs.popitem(last=False)
             outputs, captured.first_outputs = captured.first_outputs, None
             return outputs
         self.graphs.move_to_end(key)
         self.replays += 1
         return captured.replay(tensors)
-
-    def run_steps(self, key: tuple, steps: list, fn, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        """fn(step, *state) for each step in order (hashable: a layer index and the host values it depends on),
-        with `tensors` as the state that the steps read and update in place. Once the key has been seen
-        CAPTURE_AFTER times it gets one static copy of the state, and each of its steps a graph of its own (captured
-        at its first run there), so that a call running a suffix of the steps (a refresh from any layer) shares
-        them with every other. Returns the state after the last step (copies, where replayed). A key's steps count
-        as one graph against max_graphs."""
-        chain = self.graphs.get(key)
-        if chain is None and (self.read_by_capture is not None or not self._seen_enough(key)):
-            for step in steps:
-                fn(step, *tensors)
-            return tensors
-        if chain is None:
-            chain = self._keep(key, _CapturedSteps(tensors))
-        self.graphs.move_to_end(key)
-        for static, t in zip(chain.state, tensors):
-            static.copy_(t)
-        for step in steps:
-            captured = chain.graphs.get(step)
-            if captured is None:  # the capture runs the step once eagerly, then records it
-                chain.graphs[step] = self._capture(functools.partial(_no_outputs, fn, step, *chain.state), ())
-                self.captures += 1
-            else:
-                captured.replay(())
-                self.replays += 1
-        return tuple(t.clone() for t in chain.state)
-
-    def _seen_enough(self, key: tuple) -> bool:
-        """Count a sighting of a key not captured; whether it has now been seen more than CAPTURE_AFTER times."""
-        if self.sightings.get(key, 0) < CAPTURE_AFTER:
-            if len(self.sightings) > 1024:  # many one-off shapes: forget them
-                self.sightings.clear()
-            self.sightings[key] = self.sightings.get(key, 0) + 1
-            return False
-        del self.sightings[key]
-        return True
-
-    def _keep(self, key: tuple, captured):
-        """Keep a new graph (or steps) under key, dropping the least recently used beyond max_graphs."""
-        self.graphs[key] = captured
-        if len(self.graphs) > self.max_graphs:
-            self.graphs.popitem(last=False)
-        return captured
 
     def _capture(self, fn, tensors: tuple[torch.Tensor, ...]) -> _CapturedCall:
         self.stream = self.stream or torch.cuda.Stream(self.device)
