@@ -4,7 +4,7 @@ from kernel_testing import BUDGET, DEVICE, rel_err  # first: it picks the interp
 import pytest
 import torch
 
-from flash_dllm.kernels.drift_cosine import drift_cosine, drift_cosine_ref
+from flash_dllm.kernels.drift_cosine import drift_cosine, drift_cosine_ref, key_splits
 
 
 def make_inputs(dtype, tracked=5, lengths=(7, 70, 130), width=140, heads=4, kv_heads=2, head_dim=32, rewritten=9,
@@ -30,9 +30,12 @@ def make_inputs(dtype, tracked=5, lengths=(7, 70, 130), width=140, heads=4, kv_h
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tracked", [5, 70], ids=lambda t: f"T{t}")
-def test_drift_cosine_matches_reference(dtype, tracked):
+@pytest.mark.parametrize("splits", [1, 3, None], ids=lambda s: f"splits{s}")
+def test_drift_cosine_matches_reference(dtype, tracked, splits):
+    """Also with the keys split across programs (the 7-key request leaves two of three splits empty), and with
+    the split count the kernel picks."""
     inputs = make_inputs(dtype, tracked=tracked)
-    out = drift_cosine(*inputs)
+    out = drift_cosine(*inputs, splits=splits)
     expected = drift_cosine_ref(*inputs)
     assert out.shape == expected.shape == (3, 4, tracked)
     assert rel_err(out, expected) < BUDGET[dtype]
@@ -51,3 +54,10 @@ def test_a_rewritten_key_is_read_from_the_old_keys():
     cosine = drift_cosine(q, q, k_cache, base, lengths, before_row, old_keys)
     assert cosine.mean() < 0.99
     assert rel_err(cosine, drift_cosine_ref(q, q, k_cache, base, lengths, before_row, old_keys)) < 1e-5
+
+
+def test_keys_split_only_where_programs_are_few():
+    cpu = torch.device("cpu")
+    assert key_splits(32, 768, cpu) == 9          # batch 1, 32 heads: about two programs per SM (132)
+    assert key_splits(32 * 32, 768, cpu) == 1     # batch 32 fills the GPU alone
+    assert key_splits(32, 100, cpu) == 2          # never more splits than key tiles

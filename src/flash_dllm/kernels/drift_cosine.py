@@ -7,6 +7,8 @@ the two softmax distributions over the request's keys, per head and tracked row.
 kernel reads each key tile once for both, in its storage dtype, and keeps three running sums per row:
 with p = exp(s - m) / l, cos(p_b, p_a) = sum(e_b e_a) / sqrt(sum(e_b^2) sum(e_a^2)) for e = exp(s - m), as the
 normalisers l cancel, so one online pass rescaling the sums by each new running max gives it.
+Where the batch's (request, head) programs would leave most of the GPU idle (batch 1: 32 programs on 132 SMs),
+the keys are split across programs, and a second kernel merges their running maxima and sums.
 """
 from __future__ import annotations
 
@@ -42,10 +44,22 @@ def drift_cosine_ref(q_before: torch.Tensor, q_after: torch.Tensor, k_cache: tor
     return F.cosine_similarity(attention(q_before, before), attention(q_after, after), dim=-1)
 
 
+BLOCK_K = 64  # keys per tile
+
+
+def key_splits(programs: int, width: int, device: torch.device) -> int:
+    """How many programs share one (request, head, tracked tile)'s keys: enough for about two programs per SM
+    (the CPU's interpreter counts as an H200's 132), at least one key tile each."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    return max(1, min(triton.cdiv(2 * sms, programs), triton.cdiv(width, BLOCK_K)))
+
+
 def drift_cosine(q_before: torch.Tensor, q_after: torch.Tensor, k_cache: torch.Tensor, cache_base: torch.Tensor,
-                 lengths: torch.Tensor, before_row: torch.Tensor, old_keys: torch.Tensor) -> torch.Tensor:
-    """The Triton kernel of drift_cosine_ref (same arguments, same result up to the order of its sums). Graph
-    capturable: no host syncs (each program's key loop runs to its request's length, read on the device)."""
+                 lengths: torch.Tensor, before_row: torch.Tensor, old_keys: torch.Tensor,
+                 splits: int | None = None) -> torch.Tensor:
+    """The Triton kernel of drift_cosine_ref (same arguments, same result up to the order of its sums), its keys
+    split across `splits` programs (default: key_splits). Graph capturable: no host syncs (each program's key
+    loop stops at its request's length, read on the device)."""
     if triton is None:
         raise RuntimeError("drift_cosine needs triton; use drift_cosine_ref")
     (B, T, H, D), width, num_kv_heads = q_before.shape, before_row.shape[1], k_cache.shape[1]
@@ -55,31 +69,41 @@ def drift_cosine(q_before: torch.Tensor, q_after: torch.Tensor, k_cache: torch.T
     if B == 0 or T == 0:
         return out
     block_t = min(64, max(16, triton.next_power_of_2(T)))
+    tiles = triton.cdiv(T, block_t)
+    splits = splits or key_splits(B * H * tiles, width, q_before.device)
+    chunk = triton.cdiv(triton.cdiv(width, splits), BLOCK_K) * BLOCK_K             # keys per split
+    splits = triton.cdiv(width, chunk)                                              # none past the widest
+    # per split and row: the two running maxima and the three sums (the kernel's state at its loop's end)
+    partial = out if splits == 1 else torch.empty(5, B, H, splits, T, dtype=torch.float32, device=out.device)
     dot_fp32 = q_before.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
-    grid = (B, H, triton.cdiv(T, block_t))
-    _drift_cosine_kernel[grid](
-        q_before, q_after, k_cache, old_keys, cache_base, lengths, before_row, out,
+    _drift_cosine_kernel[(B, H, tiles * splits)](
+        q_before, q_after, k_cache, old_keys, cache_base, lengths, before_row, partial,
         q_before.stride(0), q_before.stride(1), q_before.stride(2), q_after.stride(0), q_after.stride(1),
         q_after.stride(2), k_cache.stride(0), k_cache.stride(1), old_keys.stride(0), old_keys.stride(1),
-        T, width, D ** -0.5 * 1.4426950408889634,
-        GROUP=H // num_kv_heads, D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_T=block_t, BLOCK_K=64,
-        DOT_FP32=dot_fp32, num_warps=4)
+        T, width, chunk, splits, partial.numel() // 5, D ** -0.5 * 1.4426950408889634,
+        GROUP=H // num_kv_heads, D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_T=block_t,
+        BLOCK_K=BLOCK_K, DOT_FP32=dot_fp32, num_warps=4)
+    if splits > 1:
+        _merge_splits_kernel[(B, H, tiles)](partial, out, T, splits, partial.numel() // 5, BLOCK_T=block_t)
     return out
 
 
 if triton is not None:
     from .flash_attention import _dot  # exact fp32 products where DOT_FP32 (and under the interpreter)
 
-    @triton.jit(do_not_specialize=["T", "width"])
+    # the split count is not a constant of the compiled kernel: a request's width changes it (warm-up included)
+    @triton.jit(do_not_specialize=["T", "width", "chunk", "splits", "part_size"])
     def _drift_cosine_kernel(qb_ptr, qa_ptr, k_ptr, old_ptr, base_ptr, len_ptr, row_ptr, out_ptr,
                              stride_qbb, stride_qbt, stride_qbh, stride_qab, stride_qat, stride_qah,
-                             stride_kr, stride_kh, stride_or, stride_oh, T, width, scale_log2,
-                             GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
-                             BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
-        # Program (request, head, tile of tracked rows): one sweep over the request's keys for both queries.
+                             stride_kr, stride_kh, stride_or, stride_oh, T, width, chunk, splits, part_size,
+                             scale_log2, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                             BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
+        # Program (request, head, tile of tracked rows x split of the keys): one sweep over the split's keys for
+        # both queries. One split: the cosine; more: the running maxima and sums, for _merge_splits_kernel.
         seq, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        tile, split = tl.program_id(2) // splits, tl.program_id(2) % splits
         kv_head = head // GROUP
-        o_t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
+        o_t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
         o_d = tl.arange(0, BLOCK_D)
         m_t, m_d = o_t < T, o_d < D
         m_q = m_t[:, None] & m_d[None, :]
@@ -88,14 +112,15 @@ if triton is not None:
         b_qa = tl.load(qa_ptr + seq * stride_qab + o_t[:, None] * stride_qat + head * stride_qah + o_d[None, :],
                        mask=m_q, other=0.0)
         base, length = tl.load(base_ptr + seq), tl.load(len_ptr + seq)
+        end = tl.minimum(length, (split + 1) * chunk)
         max_b = tl.full([BLOCK_T], float("-inf"), tl.float32)
         max_a = tl.full([BLOCK_T], float("-inf"), tl.float32)
         sum_ab = tl.zeros([BLOCK_T], tl.float32)
         sum_bb = tl.zeros([BLOCK_T], tl.float32)
         sum_aa = tl.zeros([BLOCK_T], tl.float32)
-        for start in range(0, length, BLOCK_K):
+        for start in range(split * chunk, end, BLOCK_K):
             o_k = start + tl.arange(0, BLOCK_K)
-            m_k = o_k < length
+            m_k = o_k < end
             b_after = tl.load(k_ptr + (base + o_k)[:, None] * stride_kr + kv_head * stride_kh + o_d[None, :],
                               mask=m_k[:, None] & m_d[None, :], other=0.0)
             b_row = tl.load(row_ptr + seq * width + o_k, mask=m_k, other=-1)
@@ -115,5 +140,38 @@ if triton is not None:
             sum_aa = sum_aa * r_a * r_a + tl.sum(e_a * e_a, 1)
             sum_ab = sum_ab * r_b * r_a + tl.sum(e_b * e_a, 1)
             max_b, max_a = new_b, new_a
-        cosine = sum_ab / tl.sqrt(sum_bb * sum_aa)
-        tl.store(out_ptr + (seq * tl.num_programs(1) + head) * T + o_t, cosine, mask=m_t)
+        if splits == 1:
+            tl.store(out_ptr + (seq * tl.num_programs(1) + head) * T + o_t, sum_ab / tl.sqrt(sum_bb * sum_aa),
+                     mask=m_t)
+        else:  # partial [5, B, H, splits, T]
+            at = out_ptr + ((seq * tl.num_programs(1) + head) * splits + split) * T + o_t
+            tl.store(at, max_b, mask=m_t)
+            tl.store(at + part_size, max_a, mask=m_t)
+            tl.store(at + 2 * part_size, sum_ab, mask=m_t)
+            tl.store(at + 3 * part_size, sum_bb, mask=m_t)
+            tl.store(at + 4 * part_size, sum_aa, mask=m_t)
+
+    @triton.jit(do_not_specialize=["T", "splits", "part_size"])
+    def _merge_splits_kernel(part_ptr, out_ptr, T, splits, part_size, BLOCK_T: tl.constexpr):
+        # Program (request, head, tile of tracked rows): the splits' sums rescaled to the overall maxima, in order.
+        seq, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        o_t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
+        m_t = o_t < T
+        first = part_ptr + (seq * tl.num_programs(1) + head) * splits * T + o_t
+        max_b = tl.full([BLOCK_T], float("-inf"), tl.float32)
+        max_a = tl.full([BLOCK_T], float("-inf"), tl.float32)
+        for split in range(splits):
+            max_b = tl.maximum(max_b, tl.load(first + split * T, mask=m_t, other=0.0))
+            max_a = tl.maximum(max_a, tl.load(first + split * T + part_size, mask=m_t, other=0.0))
+        sum_ab = tl.zeros([BLOCK_T], tl.float32)
+        sum_bb = tl.zeros([BLOCK_T], tl.float32)
+        sum_aa = tl.zeros([BLOCK_T], tl.float32)
+        for split in range(splits):
+            at = first + split * T
+            # a split past its request's keys kept -inf maxima and zero sums: it adds nothing
+            r_b = tl.exp2(tl.load(at, mask=m_t, other=0.0) - max_b)
+            r_a = tl.exp2(tl.load(at + part_size, mask=m_t, other=0.0) - max_a)
+            sum_ab += tl.load(at + 2 * part_size, mask=m_t, other=0.0) * r_b * r_a
+            sum_bb += tl.load(at + 3 * part_size, mask=m_t, other=0.0) * r_b * r_b
+            sum_aa += tl.load(at + 4 * part_size, mask=m_t, other=0.0) * r_a * r_a
+        tl.store(out_ptr + (seq * tl.num_programs(1) + head) * T + o_t, sum_ab / tl.sqrt(sum_bb * sum_aa), mask=m_t)
