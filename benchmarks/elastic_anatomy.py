@@ -1,6 +1,7 @@
 """Where Elastic-Cache's requests spend their steps: per step its reuse pass's rows, whether and from which layer
-it refreshed, how each graphed call ran (eager, captured, replayed) and the step's wall time, through
-`LLM.generate` (random LLaDA-8B, one request per prompt, the bench's prompts), twice on one LLM.
+it refreshed, how each graphed call ran (eager, captured, replayed) and the step's wall time (the steps without
+a refresh also by how their reuse pass ran), through `LLM.generate` (random LLaDA-8B, one request per prompt, the
+bench's prompts), twice on one LLM.
 
     PYTHONPATH=src python benchmarks/elastic_anatomy.py --batch 1 [--max-graphs 16] [--capture-after 3]
 """
@@ -62,6 +63,8 @@ def main():
         how = ("into capture" if self.read_by_capture is not None else "replay" if key in self.graphs
                else "capture" if self.sightings.get(key, 0) >= cuda_graphs.CAPTURE_AFTER else "eager")
         runs[(kind, how)] += 1
+        if kind == "elastic reuse" and steps:
+            steps[-1]["reuse"] = how
         return graphed_run(self, key, fn, tensors)
 
     elastic.Elastic.step, elastic._reuse_pass, elastic._refresh_pass = timed_step, counted_reuse, counted_refresh
@@ -90,6 +93,11 @@ def main():
               f"{sorted(collections.Counter(s['rows'] for s in steps).items())}")
         print(f"steps without refresh: {len(quiet)}, median {statistics.median(quiet) if quiet else 0:.2f} ms, "
               f"sum {sum(quiet) / 1e3:.2f} s")
+        for how in ("replay", "eager", "capture", "not graphed"):  # where the quiet steps' wall time goes
+            times = [s["ms"] for s in steps if s["refresh"] is None and s.get("reuse", "not graphed") == how]
+            if times:
+                print(f"  quiet steps whose reuse pass ran {how}: {len(times)}, median {statistics.median(times):.2f}"
+                      f" ms, sum {sum(times) / 1e3:.2f} s")
         if refreshed:
             print(f"steps with refresh: {len(refreshed)}, median "
                   f"{statistics.median(s['ms'] for s in refreshed):.2f} ms, sum "
