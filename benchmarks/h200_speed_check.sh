@@ -4,8 +4,10 @@
 #   tests    the GPU tests of the sampler, Elastic-Cache (its drift kernel) and the CUDA graphs;
 #   tokens   the embedded tasks' tokens of every cached method, fp32, BASE's recording against this tree's;
 #   bench    `bench generate` at the batch sizes and methods given, BASE first, then this tree;
-#   anatomy  Elastic-Cache's batch-1 request step by step (benchmarks/elastic_anatomy.py), this tree.
-#   BASE=base.tar [PART=tests,tokens,bench,anatomy] [BATCHES="1 32"] [METHODS="..."] bash benchmarks/h200_speed_check.sh
+#   anatomy  Elastic-Cache's batch-1 request step by step (benchmarks/elastic_anatomy.py), this tree, once per
+#            ANATOMY="...;..." (the script's options per run, e.g. "--capture-after 1 --max-graphs 32").
+#   BASE=base.tar [PART=tests,tokens,bench,anatomy] [BATCHES="1 32"] [METHODS="..."] [VARIANTS="..."] [ANATOMY=...]
+#       bash benchmarks/h200_speed_check.sh
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 PART=${PART:-tests,tokens,bench}
@@ -24,7 +26,7 @@ if [[ $PART == *tests* ]]; then
       tests/engine/test_cuda_graphs.py
 fi
 if [[ $PART == *tokens* && -n "${BASE:-}" ]]; then
-  variants="dual-cache flash-cache flash-verify elastic"
+  variants=${VARIANTS:-dual-cache flash-cache flash-verify elastic}
   PYTHONPATH=$base/src step tokens_base 150 python benchmarks/record_tokens.py --device cuda --items 30 \
       --variants $variants --out /tmp/tokens_base.json
   PYTHONPATH=$PWD/src step tokens_after 150 python benchmarks/record_tokens.py --device cuda --items 30 \
@@ -40,5 +42,13 @@ if [[ $PART == *bench* ]]; then
   done
 fi
 if [[ $PART == *anatomy* ]]; then
-  TAIL=6 PYTHONPATH=$PWD/src step anatomy_b1 150 python -u benchmarks/elastic_anatomy.py --batch 1 --calls 1
+  IFS=';' read -ra runs <<< "${ANATOMY:-}"
+  for i in "${!runs[@]}"; do
+    # shellcheck disable=SC2086  # the options split into words
+    TAIL=9 PYTHONPATH=$PWD/src step "anatomy_b1_$i" 150 python -u benchmarks/elastic_anatomy.py --batch 1 --calls 1 \
+        ${runs[$i]}
+  done
+  if [ ${#runs[@]} -eq 0 ]; then
+    TAIL=9 PYTHONPATH=$PWD/src step anatomy_b1 150 python -u benchmarks/elastic_anatomy.py --batch 1 --calls 1
+  fi
 fi
