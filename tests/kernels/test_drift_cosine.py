@@ -57,7 +57,6 @@ def test_a_rewritten_key_is_read_from_the_old_keys():
 
 
 def test_keys_split_only_where_programs_are_few():
-    cpu = torch.device("cpu")
-    assert key_splits(32, 768, cpu) == 9          # batch 1, 32 heads: about two programs per SM (132)
-    assert key_splits(32 * 32, 768, cpu) == 1     # batch 32 fills the GPU alone
-    assert key_splits(32, 100, cpu) == 2          # never more splits than key tiles
+    assert key_splits(32, 768) == 9          # batch 1, 32 heads: about two programs per SM (132)
+    assert key_splits(32 * 32, 768) == 1     # batch 32 fills the GPU alone
+    assert key_splits(32, 100) == 2          # never more splits than key tiles

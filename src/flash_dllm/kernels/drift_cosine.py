@@ -17,6 +17,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from .flash_attention import TARGET_PROGRAMS
+
 try:
     import triton
     import triton.language as tl
@@ -47,11 +49,10 @@ def drift_cosine_ref(q_before: torch.Tensor, q_after: torch.Tensor, k_cache: tor
 BLOCK_K = 64  # keys per tile
 
 
-def key_splits(programs: int, width: int, device: torch.device) -> int:
-    """How many programs share one (request, head, tracked tile)'s keys: enough for about two programs per SM
-    (the CPU's interpreter counts as an H200's 132), at least one key tile each."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-    return max(1, min(triton.cdiv(2 * sms, programs), triton.cdiv(width, BLOCK_K)))
+def key_splits(programs: int, width: int) -> int:
+    """How many programs share one (request, head, tracked tile)'s keys: enough for the attention kernel's
+    TARGET_PROGRAMS (the H200's SMs about twice over), at least one key tile each."""
+    return max(1, min(triton.cdiv(TARGET_PROGRAMS, programs), triton.cdiv(width, BLOCK_K)))
 
 
 def drift_cosine(q_before: torch.Tensor, q_after: torch.Tensor, k_cache: torch.Tensor, cache_base: torch.Tensor,
@@ -70,21 +71,22 @@ def drift_cosine(q_before: torch.Tensor, q_after: torch.Tensor, k_cache: torch.T
         return out
     block_t = min(64, max(16, triton.next_power_of_2(T)))
     tiles = triton.cdiv(T, block_t)
-    splits = splits or key_splits(B * H * tiles, width, q_before.device)
+    splits = splits or key_splits(B * H * tiles, width)
     chunk = triton.cdiv(triton.cdiv(width, splits), BLOCK_K) * BLOCK_K             # keys per split
     splits = triton.cdiv(width, chunk)                                              # none past the widest
     # per split and row: the two running maxima and the three sums (the kernel's state at its loop's end)
     partial = out if splits == 1 else torch.empty(5, B, H, splits, T, dtype=torch.float32, device=out.device)
+    part_size = partial.numel() // 5
     dot_fp32 = q_before.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
     _drift_cosine_kernel[(B, H, tiles * splits)](
         q_before, q_after, k_cache, old_keys, cache_base, lengths, before_row, partial,
         q_before.stride(0), q_before.stride(1), q_before.stride(2), q_after.stride(0), q_after.stride(1),
         q_after.stride(2), k_cache.stride(0), k_cache.stride(1), old_keys.stride(0), old_keys.stride(1),
-        T, width, chunk, splits, partial.numel() // 5, D ** -0.5 * 1.4426950408889634,
+        T, width, chunk, splits, part_size, D ** -0.5 * 1.4426950408889634,
         GROUP=H // num_kv_heads, D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_T=block_t,
         BLOCK_K=BLOCK_K, DOT_FP32=dot_fp32, num_warps=4)
     if splits > 1:
-        _merge_splits_kernel[(B, H, tiles)](partial, out, T, splits, partial.numel() // 5, BLOCK_T=block_t)
+        _merge_splits_kernel[(B, H, tiles)](partial, out, T, splits, part_size, BLOCK_T=block_t)
     return out
 
 
