@@ -4,6 +4,8 @@ a refresh also by how their reuse pass ran), through `LLM.generate` (random LLaD
 bench's prompts), twice on one LLM.
 
     PYTHONPATH=src python benchmarks/elastic_anatomy.py --batch 1 [--max-graphs 16] [--capture-after 3]
+
+(--capture-after sets the graphs' default; Elastic's refresh asks for its own.)
 """
 from __future__ import annotations
 
@@ -58,14 +60,15 @@ def main():
             steps[-1]["refresh"] = (len(refreshing), min(refreshing))
         return refresh_pass(runner, batch, first_layer, predicting, key_mass)
 
-    def counted_run(self, key, fn, tensors=()):
+    def counted_run(self, key, fn, tensors=(), capture_after=None):
         kind = key[0] if isinstance(key[0], str) else "pass"
+        after = cuda_graphs.CAPTURE_AFTER if capture_after is None else capture_after
         how = ("into capture" if self.read_by_capture is not None else "replay" if key in self.graphs
-               else "capture" if self.sightings.get(key, 0) >= cuda_graphs.CAPTURE_AFTER else "eager")
+               else "capture" if self.sightings.get(key, 0) >= after else "eager")
         runs[(kind, how)] += 1
         if kind == "elastic reuse" and steps:
             steps[-1]["reuse"] = how
-        return graphed_run(self, key, fn, tensors)
+        return graphed_run(self, key, fn, tensors, capture_after)
 
     elastic.Elastic.step, elastic._reuse_pass, elastic._refresh_pass = timed_step, counted_reuse, counted_refresh
     cuda_graphs.GraphedCalls.run = counted_run

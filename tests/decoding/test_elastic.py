@@ -233,7 +233,7 @@ def test_refresh_passes_replay_with_the_eager_tokens(deep_checkpoint, monkeypatc
                             drift_threshold=drift_threshold, temperature=0.5, seed=1)
     llm = LLM(str(deep_checkpoint), device="cpu", dtype="float32", max_batch_size=2, kv_cache_bytes=CACHE_BYTES)
     expected = llm.generate(PROMPTS, params, use_tqdm=False)
-    monkeypatch.setattr(GraphedCalls, "_capture", lambda self, fn, tensors: StaticCapture(fn, tensors))
+    monkeypatch.setattr(GraphedCalls, "_capture", lambda self, fn, tensors, run_first: StaticCapture(fn, tensors))
     llm.runner.graphs = CudaGraphs(llm.runner._forward_cached, torch.device("cpu"), max_graphs=64)
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)
     assert [(o.token_ids, o.steps, o.query_rows) for o in outputs] == \

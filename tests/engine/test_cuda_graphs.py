@@ -5,6 +5,7 @@ graphs that read them; asking for graphs without the kernels on a GPU is an erro
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from flash_dllm.cache.attention_metadata import AttentionMetadata, cu_seqlens
 from flash_dllm.decoding.registry import method_of
 from flash_dllm.engine.cuda_graphs import (CAPTURE_AFTER, MAX_GRAPH_ROWS, CudaGraphs, GraphedCalls, bucket,
                                           pad_verify_pass, signature)
+from flash_dllm.engine import cuda_graphs
 from flash_dllm.engine.llm_engine import LLMEngine
 
 METHODS = [dict(method="prefix-cache"), dict(method="dual-cache"),
@@ -68,7 +70,7 @@ def test_whole_steps_go_through_the_step_graphs_in_place(gqa_checkpoint, knobs, 
     params = SamplingParams(max_tokens=32, block_length=8, threshold=0.9, **knobs)
     expected = LLM(gqa_checkpoint, device="cpu", dtype="float32").generate(PROMPTS, params, use_tqdm=False)
 
-    monkeypatch.setattr(GraphedCalls, "_capture", lambda self, fn, tensors: ReplayingCapture(fn, tensors))
+    monkeypatch.setattr(GraphedCalls, "_capture", lambda self, fn, tensors, run_first: ReplayingCapture(fn, tensors))
     llm = LLM(gqa_checkpoint, device="cpu", dtype="float32", max_batch_size=2)  # a refill: a second batch
     llm.runner.graphs = CudaGraphs(llm.runner._forward_cached, torch.device("cpu"))
     storage = {}
@@ -164,7 +166,7 @@ def test_capture_policy(monkeypatch):
     """Eager for the first CAPTURE_AFTER sightings of a shape, then captured once (the capturing call runs it
     once more) and replayed; the least recently used graph goes first; passes over MAX_GRAPH_ROWS rows are never
     captured."""
-    monkeypatch.setattr(GraphedCalls, "_capture", lambda self, fn, tensors: FakeCapture(fn, tensors))
+    monkeypatch.setattr(GraphedCalls, "_capture", lambda self, fn, tensors, run_first: FakeCapture(fn, tensors))
     model = CountingForward()
     graphed = CudaGraphs(model, torch.device("cpu"), max_graphs=2)
     ids, positions, table = make_pass(8)
@@ -186,17 +188,60 @@ def test_capture_policy(monkeypatch):
     assert graphed.captures == 3
 
 
+class RecordingCapture:
+    """_CapturedCall without a GPU: runs the call first if asked, then "records" it by running its Python again
+    (as a real capture does, without its kernels); the call it stands for is the first run, or else a replay."""
+
+    def __init__(self, fn, tensors, pool, stream, run_first):
+        self.fn, self.run_first, self.graph = fn, run_first, SimpleNamespace(pool=lambda: None)
+        first = fn(*tensors) if run_first else None
+        fn(*tensors)
+        self.first_outputs = first if run_first else fn(*tensors)
+
+    def replay(self, tensors):
+        return self.fn(*tensors)
+
+
+def test_a_capture_runs_the_call_first_only_where_nothing_warmed_it_up(monkeypatch):
+    """The first capture (its stream new) and a key captured at its first sighting run the call before recording
+    it; a key seen eagerly is recorded straight away, unless a host list of its eager run has left the memo since
+    (a capture cannot upload it): then the capture starts over and runs the call first."""
+    monkeypatch.setattr(cuda_graphs, "_CapturedCall", RecordingCapture)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: "stream")
+    graphs = GraphedCalls(torch.device("cpu"))
+    runs = []
+
+    def call(x):
+        runs.append(graphs.constant([int(x.sum())]))
+        return (x + 1,)
+
+    def ran_first(key, x, capture_after=None):
+        assert torch.equal(graphs.run(key, call, (x,), capture_after)[0], x + 1)
+        return graphs.graphs[key].run_first if key in graphs.graphs else None
+
+    one = torch.ones(2)
+    assert [ran_first("a", one), ran_first("a", one)] == [None, True]           # eager; the first capture
+    assert [ran_first("b", one * 2), ran_first("b", one * 2)] == [None, False]  # eager; recorded straight away
+    assert ran_first("c", one * 3, capture_after=0) is True                    # never seen
+    assert ran_first("d", one * 4) is None
+    graphs.constants.clear()  # its list [8] is no longer on the device
+    assert ran_first("d", one * 4) is True and (8,) in graphs.constants
+    assert graphs.captures == 4 and graphs.may_upload
+
+
 def test_verify_passes_of_one_bucket_share_a_graph(monkeypatch):
     """Passes that do not write the cache are replayed padded to a bucket of rows: row counts that vary
     within one bucket share one graph, and the output keeps only the pass's own rows."""
-    monkeypatch.setattr(GraphedCalls, "_capture", lambda self, fn, tensors: FakeCapture(fn, tensors))
+    monkeypatch.setattr(GraphedCalls, "_capture", lambda self, fn, tensors, run_first: FakeCapture(fn, tensors))
     model = CountingForward()
     graphed = CudaGraphs(model, torch.device("cpu"))
     assert bucket(97) == bucket(100) == 112 and bucket(16) == 16 and bucket(1000) == 1024
-    for rows in (97, 100, 103, 110, 99, 112):
+    rows_seen = (97, 100, 103, 110, 99, 112)
+    for rows in rows_seen:
         out = graphed.run_pass(*make_pass(rows, write_cache=False))
         assert torch.equal(out, torch.arange(rows) + 1)
-    assert (model.eager, graphed.captures, graphed.replays) == (CAPTURE_AFTER + 1, 1, 2)
+    assert (model.eager, graphed.captures, graphed.replays) == (CAPTURE_AFTER + 1, 1,
+                                                                len(rows_seen) - CAPTURE_AFTER - 1)
     graphed.run_pass(*make_pass(113, write_cache=False))  # the next bucket
     assert model.eager == CAPTURE_AFTER + 2
 

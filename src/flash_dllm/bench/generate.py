@@ -3,10 +3,10 @@
 One timed call per (method, batch) on random prompts of one length, after an untimed warm-up call at the same
 prompt length and fewer tokens (it allocates the KV cache and compiles the kernels). The timed call captures
 the CUDA graphs that the warm-up could not, as a server does for a new batch: the whole-step graphs (keyed by
-the batch) and Elastic-Cache's (keyed by the sequence's width too), each at its fourth sighting. Reported: wall
-time over engine iterations (admission, the first full pass, scheduling and the host reads included, unlike
-`bench step`), tokens/s as the project defines it (tokens up to the first eos/eot over the call's wall time),
-NFE per request and tokens per step.
+the batch) and Elastic-Cache's (keyed by the sequence's width too), each at its second sighting (Elastic-Cache's
+refresh at its fourth). Reported: wall time over engine iterations (admission, the first full pass, scheduling
+and the host reads included, unlike `bench step`), tokens/s as the project defines it (tokens up to the first
+eos/eot over the call's wall time), NFE per request and tokens per step.
 """
 from __future__ import annotations
 

@@ -233,12 +233,13 @@ def _reuse_pass(runner: ModelRunner, batch: DecodeBatch, reuse: CachedPass, trac
     return _replayed(runner, reuse, ("elastic reuse", m.max_q, m.max_kv, width, tracked_rows), layers, tensors)
 
 
-def _replayed(runner: ModelRunner, p: CachedPass, key: tuple, layers, tensors: tuple[torch.Tensor, ...]):
+def _replayed(runner: ModelRunner, p: CachedPass, key: tuple, layers, tensors: tuple[torch.Tensor, ...],
+              capture_after: int | None = None):
     """layers(*tensors) for the pass p, replayed from one CUDA graph per key and tensor shapes where the runner
-    replays it (`_graphed`)."""
+    replays it (`_graphed`), captured after `capture_after` eager sightings (None: the graphs' default)."""
     if not _graphed(runner, p):
         return layers(*tensors)
-    return runner.graphs.run((*key, *((tuple(t.shape), t.dtype) for t in tensors)), layers, tensors)
+    return runner.graphs.run((*key, *((tuple(t.shape), t.dtype) for t in tensors)), layers, tensors, capture_after)
 
 
 def _graphed(runner: ModelRunner, p: CachedPass) -> bool:
@@ -319,7 +320,9 @@ def _refresh_pass(runner: ModelRunner, batch: DecodeBatch, first_layer: list[int
     tensors = (refresh.positions, m.cu_seqlens_q, m.kv_start, m.kv_len, m.slot_mapping, m.track_rows, row_start,
                runner.constant(order), key_mass)
     layers = functools.partial(_refresh_layers, runner.model, runner.cache, runner.kernels, m, lengths, starts)
-    x, mass = _replayed(runner, refresh, ("elastic refresh", starts, tuple(lengths)), layers, tensors)
+    # A refresh is GPU-bound (its eager launches overlap its kernels) and its first layers repeat less than the
+    # reuse pass's row counts: captured only at its fourth sighting.
+    x, mass = _replayed(runner, refresh, ("elastic refresh", starts, tuple(lengths)), layers, tensors, capture_after=3)
     if mass is not key_mass:  # replayed: the graph's static copy holds the refreshed layers' mass
         key_mass.copy_(mass)
     return refresh, x

@@ -12,9 +12,10 @@ replayed in one launch:
   window after its passes likewise, reading and writing its batch in place). A pass that does not write the
   cache (Flash-Verify's verify pass, whose row count changes every iteration) is replayed padded to a bucket of
   rows, so that its shapes repeat.
-A capture costs about two calls, so a key is captured only once it has been seen CAPTURE_AFTER times: one-off
-shapes (a request's first full pass) stay eager. Only the kernel path can be captured: the PyTorch references
-index with boolean masks, which synchronise with the host. `GraphedCalls` is the policy for any call of
+A key is captured at its second sighting (CAPTURE_AFTER): one-off shapes (a request's first full pass) stay
+eager, and the capture records the call without running it first (its eager sighting warmed up what it needs),
+then replays it once, so it costs about one eager call. Only the kernel path can be captured: the PyTorch
+references index with boolean masks, which synchronise with the host. `GraphedCalls` is the policy for any call of
 tensors; `CudaGraphs` applies it to the runner's cached forward.
 """
 from __future__ import annotations
@@ -27,7 +28,11 @@ import torch.nn.functional as F
 
 from ..cache.attention_metadata import AttentionMetadata, device_tensor
 
-CAPTURE_AFTER = 3  # eager sightings of a shape before it is captured
+CAPTURE_AFTER = 1  # eager sightings of a shape before it is captured (a call may ask for more)
+# Graphs kept (the least recently used dropped first): a batch-1 Elastic-Cache request of 512 tokens meets ~17 row
+# counts of its reuse pass and ~20 refresh shapes, besides the steps' graphs. The graphs share one pool; each keeps
+# only its inputs and outputs.
+MAX_GRAPHS = 64
 # Beyond this many query rows a pass is GPU-bound (its launches overlap its kernels), and a capture would
 # only keep its activations in the graph pool (H200, batch 16, every repeating shape captured: peak memory
 # 0.1-0.7 GB over weights + cache + 2 GB; it was within it without graphs).
@@ -68,25 +73,27 @@ def signature(input_ids: torch.Tensor, metadata: AttentionMetadata, key_mass: to
 
 class _CapturedCall:
     """One captured call: the static tensors it reads (its inputs, copied in before each replay), its outputs
-    and its graph."""
+    and its graph. `first_outputs`: the outputs of the call the capture stands for, which ran once."""
 
-    def __init__(self, fn, tensors: tuple[torch.Tensor, ...], pool, stream):
+    def __init__(self, fn, tensors: tuple[torch.Tensor, ...], pool, stream, run_first: bool):
         self.inputs = tuple(t.clone() for t in tensors)
         self.constants: list[torch.Tensor] = []  # the uploaded host lists it reads (GraphedCalls.constant)
         self.graph = torch.cuda.CUDAGraph()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            # The call itself runs first, eagerly (it also warms up cuBLAS workspaces and lazily built tensors);
-            # the capture that follows records its kernels without running them, so state that the call reads
-            # and then rewrites (the cache, a step's tokens) is advanced once.
+            # run_first: the call runs eagerly before the capture, as a warm-up (cuBLAS's workspace on the capture
+            # stream, lazily built tensors), and its outputs are the call's; the capture then records its kernels
+            # without running them, so the state the call reads and rewrites (the cache, a step's tokens) is
+            # advanced once. Without it, the replay below advances it.
             # (torch.cuda.graph() would also run gc.collect() and empty the allocator's cache at every capture.)
-            self.first_outputs = fn(*self.inputs)
+            first = fn(*self.inputs) if run_first else None
             self.graph.capture_begin(pool=pool)
             try:
                 self.outputs = fn(*self.inputs)
             finally:
                 self.graph.capture_end()
         torch.cuda.current_stream().wait_stream(stream)
+        self.first_outputs = first if run_first else self.replay(())
 
     def replay(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         for static, t in zip(self.inputs, tensors):
@@ -96,11 +103,16 @@ class _CapturedCall:
         return tuple(None if t is None else t.clone() for t in self.outputs)
 
 
+class _NotUploaded(Exception):
+    """A capture asked for a host list that is not on the device: only an eager run may upload it."""
+
+
 class GraphedCalls:
     """Calls `fn(*tensors) -> tuple of tensors` replayed from CUDA graphs, one per key (the caller's: every
-    shape and host value the call depends on). A key is captured once it has been seen CAPTURE_AFTER times (a
-    capture costs about two calls, so one-off shapes stay eager); at most `max_graphs` are kept, the least
-    recently used dropped first. All graphs share one memory pool: they never run at the same time.
+    shape and host value the call depends on). A key is captured once it has been seen `capture_after` times
+    (CAPTURE_AFTER unless the call says otherwise), without running it first where an eager sighting and an
+    earlier capture have warmed up what it needs; at most `max_graphs` are kept, the least recently used dropped
+    first. All graphs share one memory pool: they never run at the same time.
 
     A call made while another is being captured (a step's forward pass, inside the step's graph) runs eagerly
     into that capture. `constant` keeps the short host lists a call uploads (row counts) on the device, so that
@@ -109,30 +121,38 @@ class GraphedCalls:
 
     MAX_CONSTANTS = 1024
 
-    def __init__(self, device: torch.device, max_graphs: int = 16):
+    def __init__(self, device: torch.device, max_graphs: int = MAX_GRAPHS):
         self.device, self.max_graphs = device, max_graphs
         self.graphs: OrderedDict[tuple, _CapturedCall] = OrderedDict()
         self.sightings: dict[tuple, int] = {}  # eager runs of each key not captured
         self.constants: OrderedDict[tuple[int, ...], torch.Tensor] = OrderedDict()  # least recently used first
         self.read_by_capture: list[torch.Tensor] | None = None  # None: no capture under way
+        self.may_upload = True  # False while a capture records a call that did not run first
         self.pool = None
         self.stream = None  # captures run off the default stream, on this one (made at the first)
         self.captures = self.replays = 0
 
-    def run(self, key: tuple, fn, tensors: tuple[torch.Tensor, ...] = ()) -> tuple[torch.Tensor, ...]:
+    def run(self, key: tuple, fn, tensors: tuple[torch.Tensor, ...] = (),
+            capture_after: int | None = None) -> tuple[torch.Tensor, ...]:
         """fn(*tensors), eagerly or replayed. fn may read and write other device tensors in place (the cache, a
-        batch's state) as long as they outlive the key."""
+        batch's state) as long as they outlive the key. capture_after: eager sightings before the capture (None:
+        CAPTURE_AFTER)."""
         if self.read_by_capture is not None:  # called by a call being captured: run into its capture
             return fn(*tensors)
         captured = self.graphs.get(key)
         if captured is None:
-            if self.sightings.get(key, 0) < CAPTURE_AFTER:
+            seen = self.sightings.get(key, 0)
+            if seen < (CAPTURE_AFTER if capture_after is None else capture_after):
                 if len(self.sightings) > 1024:  # many one-off shapes: forget them
                     self.sightings.clear()
-                self.sightings[key] = self.sightings.get(key, 0) + 1
+                self.sightings[key] = seen + 1
                 return fn(*tensors)
-            del self.sightings[key]
-            captured = self.graphs[key] = self._capture(fn, tensors)
+            self.sightings.pop(key, None)
+            try:
+                captured = self._capture(fn, tensors, run_first=seen == 0 or self.stream is None)
+            except _NotUploaded:  # a host list of its eager sighting has left the memo since
+                captured = self._capture(fn, tensors, run_first=True)
+            self.graphs[key] = captured
             self.captures += 1
             if len(self.graphs) > self.max_graphs:
                 self.graphs.popitem(last=False)
@@ -142,13 +162,13 @@ class GraphedCalls:
         self.replays += 1
         return captured.replay(tensors)
 
-    def _capture(self, fn, tensors: tuple[torch.Tensor, ...]) -> _CapturedCall:
+    def _capture(self, fn, tensors: tuple[torch.Tensor, ...], run_first: bool) -> _CapturedCall:
         self.stream = self.stream or torch.cuda.Stream(self.device)
-        self.read_by_capture = []
+        self.read_by_capture, self.may_upload = [], run_first
         try:
-            captured = _CapturedCall(fn, tensors, self.pool, self.stream)
+            captured = _CapturedCall(fn, tensors, self.pool, self.stream, run_first)
         finally:
-            constants, self.read_by_capture = self.read_by_capture, None
+            constants, self.read_by_capture, self.may_upload = self.read_by_capture, None, True
         captured.constants = constants  # kept alive while the graph may replay them
         self.pool = captured.graph.pool()
         return captured
@@ -159,6 +179,8 @@ class GraphedCalls:
         key = tuple(values)
         uploaded = self.constants.get(key)
         if uploaded is None:
+            if not self.may_upload:
+                raise _NotUploaded
             uploaded = self.constants[key] = device_tensor(values, self.device)
             if len(self.constants) > self.MAX_CONSTANTS:
                 self.constants.popitem(last=False)
@@ -173,7 +195,7 @@ class CudaGraphs(GraphedCalls):
     cache, replayed from CUDA graphs for shapes that repeat; other calls (Elastic-Cache's reuse pass) share its
     graphs' pool and budget through `GraphedCalls.run`."""
 
-    def __init__(self, forward, device: torch.device, max_graphs: int = 16):
+    def __init__(self, forward, device: torch.device, max_graphs: int = MAX_GRAPHS):
         super().__init__(device, max_graphs)
         self.forward = forward
 
