@@ -33,9 +33,11 @@ def make_inputs(dtype, tracked=5, lengths=(7, 70, 130), width=140, heads=4, kv_h
 @pytest.mark.parametrize("splits", [1, 3, None], ids=lambda s: f"splits{s}")
 def test_drift_cosine_matches_reference(dtype, tracked, splits):
     """Also with the keys split across programs (the 7-key request leaves two of three splits empty), and with
-    the split count the kernel picks."""
+    the split count the kernel picks; written into a given slice (the reuse pass's per-layer buffer)."""
     inputs = make_inputs(dtype, tracked=tracked)
-    out = drift_cosine(*inputs, splits=splits)
+    layers = torch.full((2, 3, 4, tracked), float("nan"), device=DEVICE)
+    out = drift_cosine(*inputs, splits=splits, out=layers[1])
+    assert out.data_ptr() == layers[1].data_ptr() and layers[0].isnan().all()
     expected = drift_cosine_ref(*inputs)
     assert out.shape == expected.shape == (3, 4, tracked)
     assert rel_err(out, expected) < BUDGET[dtype]

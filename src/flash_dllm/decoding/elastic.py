@@ -184,9 +184,10 @@ def drift_similarity(before: torch.Tensor, after: torch.Tensor, valid: torch.Ten
 
 
 def mean_over_tracked(cosine: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """cosine [B, T] (averaged over heads), valid [B, T] -> [B]: the mean over valid tracked rows (1 where none)."""
-    count = valid.sum(dim=1)
-    return torch.where(count > 0, torch.where(valid, cosine, 0.0).sum(dim=1) / count.clamp(min=1), 1.0)
+    """cosine [..., B, T] (averaged over heads), valid [B, T] -> [..., B]: the mean over valid tracked rows (1 where
+    none)."""
+    count = valid.sum(dim=-1)
+    return torch.where(count > 0, torch.where(valid, cosine, 0.0).sum(dim=-1) / count.clamp(min=1), 1.0)
 
 
 def select_tracked(key_mass: torch.Tensor, decoded: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
@@ -277,6 +278,7 @@ def _reuse_layers(model, cache, kernels: bool, metadata: AttentionMetadata, widt
         before_row = torch.full(key_slot.shape, -1, dtype=torch.long, device=device)
         before_row[row_request, positions] = torch.arange(positions.shape[0], device=device)
         t_cos, t_sin = torch.cat((t_cos, t_cos), dim=1), torch.cat((t_sin, t_sin), dim=1)
+        cosines = torch.empty(len(layers), B, cfg.num_heads, tracked_rows, device=device)  # every layer's drift
     for index, layer in enumerate(layers):
         if fused:  # before and after queries in one projection; the keys the layer is about to rewrite
             q_before, q_after = layer.queries(torch.cat((hidden[index][t_slot], x[t_flat]), dim=1),
@@ -290,12 +292,14 @@ def _reuse_layers(model, cache, kernels: bool, metadata: AttentionMetadata, widt
         hidden[index][slot_mapping] = x
         x = layer.forward_cached(x, rope, metadata, cache, key_mass[index], kernels)
         if fused:
-            cosine = drift_cosine(q_before, q_after, cache.k[index], kv_start, kv_len, before_row, old_keys)
-            similarity[index] = mean_over_tracked(cosine.mean(dim=1), t_valid)
+            drift_cosine(q_before, q_after, cache.k[index], kv_start, kv_len, before_row, old_keys,
+                         out=cosines[index])
         elif drift:  # after: the same keys but the query rows', which the layer has just rewritten in the cache
             set_keys(keys, row_request, positions, cache.k[index][row_slot], ordered)
             after = attention_rows(q_after, keys, key_valid, ordered, kernels)
             similarity[index] = drift_similarity(before, after, t_valid, ordered, kernels)
+    if fused:  # averaged for all layers at once: a few launches a pass instead of ~9 a layer
+        similarity = mean_over_tracked(cosines.mean(dim=2), t_valid)
     return x, key_mass, similarity
 
 

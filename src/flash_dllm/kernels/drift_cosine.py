@@ -57,16 +57,19 @@ def key_splits(programs: int, width: int) -> int:
 
 def drift_cosine(q_before: torch.Tensor, q_after: torch.Tensor, k_cache: torch.Tensor, cache_base: torch.Tensor,
                  lengths: torch.Tensor, before_row: torch.Tensor, old_keys: torch.Tensor,
-                 splits: int | None = None) -> torch.Tensor:
+                 splits: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton kernel of drift_cosine_ref (same arguments, same result up to the order of its sums), its keys
-    split across `splits` programs (default: key_splits). Graph capturable: no host syncs (each program's key
-    loop stops at its request's length, read on the device)."""
+    split across `splits` programs (default: key_splits), written to `out` (contiguous [B, H, T] fp32; default: a
+    new tensor). Graph capturable: no host syncs (each program's key loop stops at its request's length, read on
+    the device)."""
     if triton is None:
         raise RuntimeError("drift_cosine needs triton; use drift_cosine_ref")
     (B, T, H, D), width, num_kv_heads = q_before.shape, before_row.shape[1], k_cache.shape[1]
     assert q_after.shape == q_before.shape and q_before.stride(-1) == q_after.stride(-1) == 1
     assert k_cache.stride(-1) == old_keys.stride(-1) == 1 and before_row.is_contiguous()
-    out = torch.empty(B, H, T, dtype=torch.float32, device=q_before.device)
+    if out is None:
+        out = torch.empty(B, H, T, dtype=torch.float32, device=q_before.device)
+    assert out.shape == (B, H, T) and out.dtype == torch.float32 and out.is_contiguous()
     if B == 0 or T == 0:
         return out
     block_t = min(64, max(16, triton.next_power_of_2(T)))
