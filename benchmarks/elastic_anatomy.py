@@ -21,6 +21,7 @@ import flash_dllm.engine.cuda_graphs as cuda_graphs
 from flash_dllm.bench.generate import random_prompts
 from flash_dllm.llm import LLM
 from flash_dllm.sampling_params import SamplingParams
+from graph_anatomy import how_it_runs  # this script's directory
 
 
 def main():
@@ -62,9 +63,7 @@ def main():
 
     def counted_run(self, key, fn, tensors=(), capture_after=None):
         kind = key[0] if isinstance(key[0], str) else "pass"
-        after = cuda_graphs.CAPTURE_AFTER if capture_after is None else capture_after
-        how = ("into capture" if self.read_by_capture is not None else "replay" if key in self.graphs
-               else "capture" if self.sightings.get(key, 0) >= after else "eager")
+        how = how_it_runs(self, key, capture_after)
         runs[(kind, how)] += 1
         if kind == "elastic reuse" and steps:
             steps[-1]["reuse"] = how

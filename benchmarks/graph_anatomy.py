@@ -23,6 +23,13 @@ from flash_dllm.llm import LLM
 from flash_dllm.sampling_params import SamplingParams
 
 
+def how_it_runs(graphs: cuda_graphs.GraphedCalls, key: tuple, capture_after: int | None) -> str:
+    """How GraphedCalls.run is about to run a call: "into capture", "replay", "capture" or "eager"."""
+    after = cuda_graphs.CAPTURE_AFTER if capture_after is None else capture_after
+    return ("into capture" if graphs.read_by_capture is not None else "replay" if key in graphs.graphs
+            else "capture" if graphs.sightings.get(key, 0) >= after else "eager")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="random:llada-8b")
@@ -37,10 +44,7 @@ def main():
     graphed_run, engine_step = cuda_graphs.GraphedCalls.run, llm_engine.LLMEngine.step
 
     def counted_run(self, key, fn, tensors=(), capture_after=None):
-        after = cuda_graphs.CAPTURE_AFTER if capture_after is None else capture_after
-        if self.read_by_capture is None:
-            hows.append("replay" if key in self.graphs else
-                        "capture" if self.sightings.get(key, 0) >= after else "eager")
+        hows.append(how_it_runs(self, key, capture_after))
         return graphed_run(self, key, fn, tensors, capture_after)
 
     def timed_step(self):

@@ -261,11 +261,11 @@ def _reuse_layers(model, cache, kernels: bool, metadata: AttentionMetadata, widt
                                    slot_mapping=slot_mapping, track_rows=track_rows)
     B, drift, device = kv_start.shape[0], tracked is not None, input_ids.device
     key_mass = torch.zeros(len(layers), B, width, device=device)
-    similarity = torch.ones(len(layers), B, device=device)
     rope = Rotary.at(positions, cfg)
     x = model.embed(input_ids)
     ordered, invariant = metadata.ordered, metadata.ordered and kernels  # invariant: the GPU's batch-invariant path
     fused = drift and kernels and not ordered  # the drift test in one kernel a layer (kernels/drift_cosine.py)
+    similarity = None if fused else torch.ones(len(layers), B, device=device)  # fused: averaged after the layers
     if drift:  # the tracked rows [B, T], every row's keys [B, W] and the query rows' own key slots [N]
         t_column, t_valid = leading_columns(tracked, tracked_rows)
         t_position = (t_column - (width - kv_len)[:, None]).clamp(min=0)
