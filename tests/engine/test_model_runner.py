@@ -9,7 +9,8 @@ import torch
 
 from flash_dllm import SamplingParams
 from flash_dllm.config import PRESETS
-from flash_dllm.engine.model_runner import ModelRunner
+from flash_dllm.engine import model_runner
+from flash_dllm.engine.model_runner import ModelRunner, sequence_groups
 from flash_dllm.models import LLaDAModel, build_model, parse_config
 
 
@@ -71,3 +72,35 @@ def test_logits_of_columns_follow_the_shift(shift):
         p = runner.prepare(batch, [10], torch.arange(10)[None])
         cached = runner.logits(runner.run(p), p.flat_of_column, columns)[0]
     torch.testing.assert_close(cached, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_sequence_groups_hold_whole_sequences_within_the_row_budget(monkeypatch):
+    monkeypatch.setattr(model_runner, "FULL_PASS_ROWS", 20)
+    assert sequence_groups(5, 10) == [slice(0, 2), slice(2, 4), slice(4, 6)]
+    assert sequence_groups(2, 30) == [slice(0, 1), slice(1, 2)]    # a sequence longer than the budget: one a group
+    assert sequence_groups(2, 10) == [slice(0, 2)]
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_a_full_forward_in_groups_of_sequences_equals_one_forward(monkeypatch, batch_invariant):
+    """A full forward over more than FULL_PASS_ROWS rows runs in groups of whole sequences (its activations'
+    memory): the same logits and hidden states as in one forward, left padding included."""
+    cfg = parse_config(PRESETS["llada-tiny"])
+    model = build_model(cfg, "cpu", torch.float32)
+    torch.manual_seed(0)
+    for param in model.parameters():
+        param.data.normal_(0, 0.3)
+    runner = ModelRunner(model, kernels=False, batch_invariant=batch_invariant)
+    B, W = 5, 12
+    ids = torch.randint(4, cfg.vocab_size, (B, W))
+    lengths = torch.tensor([12, 9, 12, 5, 11])
+    mask = torch.arange(W) >= (W - lengths)[:, None]
+    positions = (torch.arange(W) - (W - lengths)[:, None]).clamp(min=0)
+    columns = torch.tensor([[11, 10]] * B)
+    with torch.inference_mode():
+        whole = runner.full_logits(ids, positions, mask, columns), runner.full_hidden(ids, positions, mask)
+        monkeypatch.setattr(model_runner, "FULL_PASS_ROWS", 2 * W)  # groups of 2, 2 and 1 sequences
+        grouped = runner.full_logits(ids, positions, mask, columns), runner.full_hidden(ids, positions, mask)
+    for one, groups in zip(whole, grouped):
+        assert groups.shape == one.shape and not groups.isnan().any()
+        torch.testing.assert_close(groups, one, rtol=1e-6, atol=1e-6)

@@ -47,6 +47,19 @@ class CachedPass:
         return flat
 
 
+# A full forward over more rows runs in groups of whole sequences: its activations (above all the attention's fp32
+# rotations of q and k, ~150 KB a row at LLaDA-8B's shapes) would otherwise grow with the batch, e.g. 16 GB beyond
+# weights and cache for lossless decoding's 5 states x 32 requests x 768 positions (H200). A group of this many rows
+# is FLOP-bound, so reading the weights once per group costs ~2% of its time.
+FULL_PASS_ROWS = 8192
+
+
+def sequence_groups(batch_size: int, width: int) -> list[slice]:
+    """The batch rows of a full forward's groups: as many whole sequences as fit FULL_PASS_ROWS (at least one)."""
+    per_group = max(1, FULL_PASS_ROWS // width)
+    return [slice(start, start + per_group) for start in range(0, batch_size, per_group)]
+
+
 class ModelRunner:
     """kernels: the cached passes through the Triton kernels (default: on CUDA; TRITON_INTERPRET=1 runs them
     on the CPU); False uses their PyTorch references (same tokens). cuda_graphs: replay the cached passes
@@ -107,13 +120,28 @@ class ModelRunner:
 
     def full_logits(self, tokens: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor,
                     columns: torch.Tensor) -> torch.Tensor:
-        """One forward over tokens [B, W] (left-padded rows) -> fp32 logits [B, n] of the columns [B, n]."""
-        return self.logits_at(self.full_hidden(tokens, positions, attention_mask), columns)
+        """One forward over tokens [B, W] (left-padded rows) -> fp32 logits [B, n] of the columns [B, n], taken
+        group by group of sequences (`sequence_groups`)."""
+        groups, logits = sequence_groups(*tokens.shape), None
+        for g in groups:
+            part = self.logits_at(self._forward(tokens[g], positions[g], attention_mask[g]), columns[g])
+            if len(groups) == 1:
+                return part
+            if logits is None:  # the groups' logits written in place: a concatenation would hold them twice
+                logits = part.new_empty(tokens.shape[0], *part.shape[1:])
+            logits[g] = part
+        return logits
 
     def full_hidden(self, tokens: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """One forward over tokens [B, W] (left-padded rows) -> final-normed hidden states [B, W, d]. Batch
-        invariant: each row runs with its own tokens first and attention sums keys in one order
-        (kernels/attention.py), so that a row's keys are summed the same way whatever the batch's width."""
+        """One forward over tokens [B, W] (left-padded rows) -> final-normed hidden states [B, W, d], run group by
+        group of sequences (`sequence_groups`)."""
+        return torch.cat([self._forward(tokens[g], positions[g], attention_mask[g])
+                          for g in sequence_groups(*tokens.shape)])
+
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """full_hidden of one group. Batch invariant: each row runs with its own tokens first and attention sums
+        keys in one order (kernels/attention.py), so that a row's keys are summed the same way whatever the
+        batch's width."""
         if not self.batch_invariant:
             return self.model.hidden_states(tokens, positions, attention_mask)
         width = tokens.shape[1]
