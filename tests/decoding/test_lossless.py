@@ -6,6 +6,7 @@ import pytest
 from conftest import eos_biased_llm
 
 from flash_dllm import LLM, SamplingParams
+from flash_dllm.engine import model_runner
 from flash_dllm.tasks import load_test_set
 
 PROMPTS = ["What is 3 + 4?", "Tom has 3 apples and buys 4 more. How many?", "x", "The passkey is 48213.",
@@ -27,6 +28,17 @@ def test_equals_reference_on_random_models(llm, case):
     for a, b in zip(lossless, reference):
         assert a.token_ids == b.token_ids
         assert a.nfe <= b.nfe
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_equals_reference_with_its_states_in_groups(llm, monkeypatch, temperature):
+    """The states' forward and decisions taken group by group (the runner's groups of sequences, here one or two
+    states each; a request's states span groups): still the reference's tokens."""
+    common = dict(max_tokens=32, block_length=8, temperature=temperature, seed=5)
+    reference = llm.generate(PROMPTS, SamplingParams(method="reference", **common))
+    monkeypatch.setattr(model_runner, "FULL_PASS_ROWS", 150)
+    lossless = llm.generate(PROMPTS, SamplingParams(method="lossless", draft_length=4, **common))
+    assert [o.token_ids for o in lossless] == [o.token_ids for o in reference]
 
 
 def test_equals_reference_with_fewer_passes_on_the_embedded_model():

@@ -83,10 +83,21 @@ def lossless_step(runner: ModelRunner, batch: DecodeBatch):
     exists = offsets < params.max_tokens
     offsets = torch.where(exists, offsets, offsets - n)                              # last block: no next
     columns = batch.gen_start + offsets
-    logits = runner.full_logits(flat, batch.positions[row], batch.attention_mask[row], columns)
-    candidates, confidence = sample_tokens(logits, batch.temperature[row], batch.seed[row], counters.steps[row] + index,
-                                           offsets, sample=batch.is_sampling, mask_id=mask_id,
-                                           kernels=runner.kernels)
+    # The decisions need a state's logits only through its tokens and confidences, so they are taken group by group
+    # of states (5 states x 32 requests x 2 blocks x LLaDA's vocabulary in fp32: 5 GB); sampling keeps the logits for
+    # the new drafts' tokens.
+    temperature, seed, state_step = batch.temperature[row], batch.seed[row], counters.steps[row] + index
+    candidates, confidence, kept = [], [], None
+    for g, logits in runner.full_logits_in_groups(flat, batch.positions[row], batch.attention_mask[row], columns):
+        group_tokens, group_confidence = sample_tokens(logits, temperature[g], seed[g], state_step[g], offsets[g],
+                                                       sample=batch.is_sampling, mask_id=mask_id,
+                                                       kernels=runner.kernels)
+        candidates.append(group_tokens)
+        confidence.append(group_confidence)
+        if batch.is_sampling:
+            kept = logits.new_empty(flat.shape[0], *logits.shape[1:]) if kept is None else kept
+            kept[g] = logits
+    candidates, confidence = torch.cat(candidates), torch.cat(confidence)
     masked = (flat.gather(1, columns) == mask_id) & exists
     current = torch.arange(2 * n, device=device) < n
     in_current = (masked & current).any(dim=1, keepdim=True)
@@ -119,8 +130,8 @@ def lossless_step(runner: ModelRunner, batch: DecodeBatch):
     if batch.is_sampling:  # each draft's token under the noise of the step it would be decided at
         steps = counters.steps + num_accepted
         noise = gumbel_noise(batch.seed.repeat_interleave(2 * n), (steps[:, None] + draft_rank).flatten(),
-                             offsets[source].flatten()[:, None], NOISE_STREAM, logits.shape[-1])[:, 0]
-        scores = logits[source].double().flatten(0, 1) + (
+                             offsets[source].flatten()[:, None], NOISE_STREAM, kept.shape[-1])[:, 0]
+        scores = kept[source].double().flatten(0, 1) + (
             batch.temperature.repeat_interleave(2 * n)[:, None].double() * noise)
         scores[:, mask_id] = float("-inf")
         new_tokens = scores.argmax(dim=-1).view(B, 2 * n)

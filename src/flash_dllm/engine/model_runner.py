@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import itertools
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -120,17 +121,22 @@ class ModelRunner:
 
     def full_logits(self, tokens: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor,
                     columns: torch.Tensor) -> torch.Tensor:
-        """One forward over tokens [B, W] (left-padded rows) -> fp32 logits [B, n] of the columns [B, n], taken
-        group by group of sequences (`sequence_groups`)."""
-        groups, logits = sequence_groups(*tokens.shape), None
-        for g in groups:
-            part = self.logits_at(self._forward(tokens[g], positions[g], attention_mask[g]), columns[g])
-            if len(groups) == 1:
+        """One forward over tokens [B, W] (left-padded rows) -> fp32 logits [B, n] of the columns [B, n]."""
+        batch_size, logits = tokens.shape[0], None
+        for g, part in self.full_logits_in_groups(tokens, positions, attention_mask, columns):
+            if g.stop >= batch_size and logits is None:  # one group
                 return part
-            if logits is None:  # the groups' logits written in place: a concatenation would hold them twice
-                logits = part.new_empty(tokens.shape[0], *part.shape[1:])
+            if logits is None:  # written in place: a concatenation would hold every group's logits twice
+                logits = part.new_empty(batch_size, *part.shape[1:])
             logits[g] = part
         return logits
+
+    def full_logits_in_groups(self, tokens: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor,
+                              columns: torch.Tensor) -> Iterator[tuple[slice, torch.Tensor]]:
+        """full_logits group by group of sequences (`sequence_groups`): (the group's batch rows, their logits), for
+        a reader that needs no more than a group's logits at a time."""
+        for g in sequence_groups(*tokens.shape):
+            yield g, self.logits_at(self._forward(tokens[g], positions[g], attention_mask[g]), columns[g])
 
     def full_hidden(self, tokens: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """One forward over tokens [B, W] (left-padded rows) -> final-normed hidden states [B, W, d], run group by
