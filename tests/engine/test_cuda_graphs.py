@@ -92,6 +92,24 @@ def test_whole_steps_go_through_the_step_graphs_in_place(gqa_checkpoint, knobs, 
     assert llm.runner.graphs.replays > 0
 
 
+def test_flash_verify_runs_up_to_its_verify_pass_through_one_graph(gqa_checkpoint, monkeypatch):
+    """Flash-Verify's step reads its verify pass's shape back, so the engine cannot replay it whole; its draft pass
+    and what follows up to that shape replay as one graph per plan, with the eager tokens (CPU, captures that rerun
+    Python, as above)."""
+    params = SamplingParams(max_tokens=32, block_length=8, threshold=0.9, **METHODS[3])
+    expected = LLM(gqa_checkpoint, device="cpu", dtype="float32").generate(PROMPTS, params, use_tqdm=False)
+    monkeypatch.setattr(GraphedCalls, "_capture", lambda self, fn, tensors, run_first: ReplayingCapture(fn, tensors))
+    # the passes eagerly: a padded verify pass needs the kernels (test_a_padded_verify_pass_gives_the_same_rows)
+    monkeypatch.setattr(CudaGraphs, "run_pass", lambda self, *args: self.forward(*args))
+    llm = LLM(gqa_checkpoint, device="cpu", dtype="float32")
+    llm.runner.graphs = CudaGraphs(llm.runner._forward_cached, torch.device("cpu"))
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
+    assert [o.query_rows for o in outputs] == [o.query_rows for o in expected]
+    assert any(key[0] == "flash-verify draft" for key in llm.runner.graphs.graphs)
+    assert llm.runner.graphs.replays > 0
+
+
 def test_constants_are_uploaded_once_and_held_by_the_graphs_that_read_them(monkeypatch):
     monkeypatch.setattr(GraphedCalls, "MAX_CONSTANTS", 2)
     graphs = GraphedCalls(torch.device("cpu"))

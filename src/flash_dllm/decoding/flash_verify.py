@@ -21,6 +21,7 @@ neighbours), so the cache never shows it.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -83,6 +84,26 @@ class FlashVerify(FlashCache):
     def transfer(self, runner: ModelRunner, batch: DecodeBatch, columns: torch.Tensor, offsets: torch.Tensor,
                  plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft + verify iteration -> (candidate tokens [B, n], positions to unmask [B, n])."""
+        drafted = functools.partial(self.draft_and_entries, runner, batch, plan)
+        if runner.uses_graphs(plan.rows):  # the step up to the verify pass's shape: one launch while the plan repeats
+            drafted = runner.graphs.run(("flash-verify draft", batch.number, plan), drafted, (columns, offsets))
+        else:
+            drafted = drafted(columns, offsets)
+        drafts, masked, confidence, accept_now, candidates, s_order, s_columns, s_valid, counts, *entries = drafted
+        counts = counts.tolist()  # the verify pass's shape (a second host sync per iteration)
+        transfer = accept_now
+        if max(counts) > 0:
+            transfer = transfer | self.verify(runner, batch, counts, *entries, drafts, s_order, s_columns, s_valid,
+                                              candidates)
+        stuck = ~transfer.any(dim=1, keepdim=True)                                     # decode at least one
+        return drafts, transfer | (stuck & masked & (confidence_ranks(confidence) == 0))
+
+    def draft_and_entries(self, runner: ModelRunner, batch: DecodeBatch, plan: StepPlan, columns: torch.Tensor,
+                          offsets: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The draft pass, its split into D and S, and the verify pass's entries, on the device (a function of the
+        batch's tensors given the plan, which a CUDA graph replays). Returns the drafts, the block's masked
+        positions, their confidences, D, S [B, n]; S by rank (order, columns, valid); the verify pass's row count
+        per request [B]; and its entries [B, slots] (columns, valid, ids, role, rank, slot), valid ones first."""
         tokens, mask_id = batch.tokens, batch.mask_id
         device, width = tokens.device, tokens.shape[1]
         logits, draft_queries = self.draft(runner, batch, columns, plan)
@@ -118,14 +139,9 @@ class FlashVerify(FlashCache):
         pass_columns, valid, ids, role, ranks = (torch.cat(part, dim=1) for part in zip(*entries))
         valid = valid & (num_candidates > 0)[:, None]
         slot = torch.arange(valid.shape[1], device=device).expand_as(valid)          # where each entry started
-        pass_columns, valid, ids, role, ranks, slot = _compact(pass_columns, valid, ids, role, ranks, slot)
-        counts = valid.sum(dim=1).tolist()  # the verify pass's shape (a second host sync per iteration)
-        transfer = accept_now
-        if max(counts) > 0:
-            transfer = transfer | self.verify(runner, batch, counts, pass_columns, valid, ids, role, ranks, slot,
-                                              drafts, s_order, s_columns, s_valid, candidates)
-        stuck = ~transfer.any(dim=1, keepdim=True)                                     # decode at least one
-        return drafts, transfer | (stuck & masked & (confidence_ranks(confidence) == 0))
+        entries = _compact(pass_columns, valid, ids, role, ranks, slot)
+        return (drafts, masked, confidence, accept_now, candidates, s_order, s_columns, s_valid,
+                entries[1].sum(dim=1), *entries)
 
     @staticmethod
     def predictors(shift, tokens, columns, accept_now, drafts, s_columns, s_valid, draft_ids, by_rank):

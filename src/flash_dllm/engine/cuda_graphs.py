@@ -7,11 +7,11 @@ replayed in one launch:
 - a whole step, for a method whose step is a function of the batch's tensors given its plan (the row counts
   of its passes): the engine replays it while the batch and the plan repeat (Flash-Cache's steady steps, the
   steps of dual-cache's blocks). It reads and writes the batch's tensors where they are.
-- a cached pass, for the other methods (Flash-Verify's draft pass) and for Elastic-Cache's reuse pass: its
-  inputs are copied into the graph's static tensors and its output copied out (Elastic-Cache's decoding of the
-  window after its passes likewise, reading and writing its batch in place). A pass that does not write the
-  cache (Flash-Verify's verify pass, whose row count changes every iteration) is replayed padded to a bucket of
-  rows, so that its shapes repeat.
+- a cached pass, for the other methods, and a call of a step's part: Flash-Verify's step up to its verify
+  pass's shape (its draft pass included), Elastic-Cache's reuse pass and its decoding of the window after its
+  passes: their inputs are copied into the graph's static tensors and their outputs copied out; they read and
+  write their batch in place. A pass that does not write the cache (Flash-Verify's verify pass, whose row count
+  changes every iteration) is replayed padded to a bucket of rows, so that its shapes repeat.
 A key is captured at its second sighting (CAPTURE_AFTER): one-off shapes (a request's first full pass) stay
 eager, and the capture records the call without running it first (its eager sighting warmed up what it needs),
 then replays it once, so it costs about one eager call. Only the kernel path can be captured: the PyTorch
