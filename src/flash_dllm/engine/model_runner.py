@@ -49,9 +49,9 @@ class CachedPass:
 
 
 # A full forward over more rows runs in groups of whole sequences: its activations (above all the attention's fp32
-# rotations of q and k, ~150 KB a row at LLaDA-8B's shapes) would otherwise grow with the batch, e.g. 16 GB beyond
-# weights and cache for lossless decoding's 5 states x 32 requests x 768 positions (H200). A group of this many rows
-# is FLOP-bound, so reading the weights once per group costs ~2% of its time.
+# rotations of q and k, ~150 KB a row at LLaDA-8B's shapes) would otherwise grow with the batch (H200, batch 32 x 768
+# positions: 3.3 GB beyond weights and cache in one forward, 1.2-1.4 GB in groups). A group of this many rows is
+# FLOP-bound, so reading the weights once per group costs ~2% of its time.
 FULL_PASS_ROWS = 8192
 
 
@@ -136,15 +136,15 @@ class ModelRunner:
         """full_logits group by group of sequences (`sequence_groups`): (the group's batch rows, their logits), for
         a reader that needs no more than a group's logits at a time."""
         for g in sequence_groups(*tokens.shape):
-            yield g, self.logits_at(self._forward(tokens[g], positions[g], attention_mask[g]), columns[g])
+            yield g, self.logits_at(self._full_pass(tokens[g], positions[g], attention_mask[g]), columns[g])
 
     def full_hidden(self, tokens: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """One forward over tokens [B, W] (left-padded rows) -> final-normed hidden states [B, W, d], run group by
         group of sequences (`sequence_groups`)."""
-        return torch.cat([self._forward(tokens[g], positions[g], attention_mask[g])
-                          for g in sequence_groups(*tokens.shape)])
+        parts = [self._full_pass(tokens[g], positions[g], attention_mask[g]) for g in sequence_groups(*tokens.shape)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def _full_pass(self, tokens: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """full_hidden of one group. Batch invariant: each row runs with its own tokens first and attention sums
         keys in one order (kernels/attention.py), so that a row's keys are summed the same way whatever the
         batch's width."""
