@@ -25,9 +25,8 @@ from flash_dllm.sampling_params import SamplingParams
 
 def how_it_runs(graphs: cuda_graphs.GraphedCalls, key: tuple, capture_after: int | None) -> str:
     """How GraphedCalls.run is about to run a call: "into capture", "replay", "capture" or "eager"."""
-    after = cuda_graphs.CAPTURE_AFTER if capture_after is None else capture_after
     return ("into capture" if graphs.read_by_capture is not None else "replay" if key in graphs.graphs
-            else "capture" if graphs.sightings.get(key, 0) >= after else "eager")
+            else "capture" if graphs.capture_due(key, capture_after) else "eager")
 
 
 def main():

@@ -42,13 +42,10 @@ if [[ $PART == *bench* ]]; then
   done
 fi
 if [[ $PART == *anatomy* ]]; then
-  IFS=';' read -ra runs <<< "${ANATOMY:-}"
+  IFS=';' read -ra runs <<< "${ANATOMY:- }"  # no ANATOMY: one run with the script's defaults
   for i in "${!runs[@]}"; do
     # shellcheck disable=SC2086  # the options split into words
     TAIL=9 PYTHONPATH=$PWD/src step "anatomy_b1_$i" 150 python -u benchmarks/elastic_anatomy.py --batch 1 --calls 1 \
         ${runs[$i]}
   done
-  if [ ${#runs[@]} -eq 0 ]; then
-    TAIL=9 PYTHONPATH=$PWD/src step anatomy_b1 150 python -u benchmarks/elastic_anatomy.py --batch 1 --calls 1
-  fi
 fi

@@ -84,11 +84,11 @@ class FlashVerify(FlashCache):
     def transfer(self, runner: ModelRunner, batch: DecodeBatch, columns: torch.Tensor, offsets: torch.Tensor,
                  plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft + verify iteration -> (candidate tokens [B, n], positions to unmask [B, n])."""
-        drafted = functools.partial(self.draft_and_entries, runner, batch, plan)
+        draft_part = functools.partial(self.draft_and_entries, runner, batch, plan)
         if runner.uses_graphs(plan.rows):  # the step up to the verify pass's shape: one launch while the plan repeats
-            drafted = runner.graphs.run(("flash-verify draft", batch.number, plan), drafted, (columns, offsets))
+            drafted = runner.graphs.run(("flash-verify draft", batch.number, plan), draft_part, (columns, offsets))
         else:
-            drafted = drafted(columns, offsets)
+            drafted = draft_part(columns, offsets)
         drafts, masked, confidence, accept_now, candidates, s_order, s_columns, s_valid, counts, *entries = drafted
         counts = counts.tolist()  # the verify pass's shape (a second host sync per iteration)
         transfer = accept_now

@@ -142,7 +142,7 @@ class GraphedCalls:
         captured = self.graphs.get(key)
         if captured is None:
             seen = self.sightings.get(key, 0)
-            if seen < (CAPTURE_AFTER if capture_after is None else capture_after):
+            if not self.capture_due(key, capture_after):
                 if len(self.sightings) > 1024:  # many one-off shapes: forget them
                     self.sightings.clear()
                 self.sightings[key] = seen + 1
@@ -161,6 +161,11 @@ class GraphedCalls:
         self.graphs.move_to_end(key)
         self.replays += 1
         return captured.replay(tensors)
+
+    def capture_due(self, key: tuple, capture_after: int | None = None) -> bool:
+        """Whether `run` captures a key it holds no graph of at its next call: seen `capture_after` times (None:
+        CAPTURE_AFTER)."""
+        return self.sightings.get(key, 0) >= (CAPTURE_AFTER if capture_after is None else capture_after)
 
     def _capture(self, fn, tensors: tuple[torch.Tensor, ...], run_first: bool) -> _CapturedCall:
         self.stream = self.stream or torch.cuda.Stream(self.device)
