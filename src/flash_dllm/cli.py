@@ -10,7 +10,7 @@ from pathlib import Path
 
 from .decoding.registry import DEFAULT_METHOD, METHODS, method_of
 from .cache.routing import POLICIES
-from .sampling_params import SamplingParams, knobs
+from .sampling_params import DEFAULT_KV_BUDGET, SamplingParams, knobs
 from .tasks import RETRIEVAL_TASKS, TASKS
 
 
@@ -50,8 +50,8 @@ def add_sampling_args(parser: argparse.ArgumentParser):
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--kv-routing", choices=POLICIES, help="read only the prompt's KV chunks that each step's "
                    "queries may need (cached methods; default: dense)")
-    g.add_argument("--kv-budget", type=float, default=0.125,
-                   help="with --kv-routing: the fraction of the prompt's keys a step reads, in (0, 1]")
+    g.add_argument("--kv-budget", type=float, help=f"with --kv-routing: the fraction of the prompt's keys a step "
+                   f"reads, in (0, 1] (default {DEFAULT_KV_BUDGET})")
     for name, knob in knobs().items():
         readers: dict = {}
         for method, default in knob.defaults.items():
@@ -201,8 +201,11 @@ def cmd_info(args):
 def bench_cases(args):
     """(SamplingParams, batch size) for each method (at its published block length unless --block-length says
     otherwise) and batch size of a `bench step` or `bench generate` command."""
+    routings = getattr(args, "kv_routing", None) or ["dense"]
+    if getattr(args, "kv_budget", None) is not None and routings == ["dense"]:
+        raise ValueError(f"--kv-budget applies only with --kv-routing ({', '.join(POLICIES)})")
     for method in args.methods:
-        for routing in getattr(args, "kv_routing", None) or ["dense"]:
+        for routing in routings:
             routed = {} if routing == "dense" else dict(kv_routing=routing, kv_budget=args.kv_budget)
             params = SamplingParams(method=method, max_tokens=args.max_tokens,
                                     block_length=args.block_length or method_of(method).published_block_length,
@@ -511,8 +514,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="timed iterations; a multiple of the block lengths times each cache refresh at its rate")
     step.add_argument("--kv-routing", nargs="+", choices=["dense", *POLICIES],
                       help="each method with each of these prompt-KV routings (default: dense only)")
-    step.add_argument("--kv-budget", type=float, default=0.125,
-                      help="with --kv-routing: the fraction of the prompt's keys a step reads, in (0, 1]")
+    step.add_argument("--kv-budget", type=float, help=f"with --kv-routing: the fraction of the prompt's keys a "
+                      f"routed step reads, in (0, 1] (default {DEFAULT_KV_BUDGET})")
     step.set_defaults(func=cmd_bench)
     generate = bench_sub.add_parser("generate", help="end to end through LLM.generate: wall time per iteration, "
                                                      "tokens/s, NFE and tokens per step per method and batch size")

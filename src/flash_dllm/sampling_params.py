@@ -9,6 +9,8 @@ from .cache.routing import POLICIES
 from .decoding.base import check, check_type
 from .decoding.registry import DEFAULT_METHOD, METHODS, method_of
 
+DEFAULT_KV_BUDGET = 0.125  # the fraction of a routed prompt's keys a step reads, when kv_routing is given alone
+
 
 @dataclass(frozen=True, init=False)
 class SamplingParams:
@@ -23,7 +25,8 @@ class SamplingParams:
         "window" or "random" (cache/routing.py); only the prompt's regions that the step's queries may need are
         read.
     kv_budget: with kv_routing, the fraction of the prompt's keys each step reads, in (0, 1] (sinks and the
-        recent window included; 1 reads every chunk). Under 1, Flash-Cache and Flash-Verify stop recomputing
+        recent window included; 1 reads every chunk); default DEFAULT_KV_BUDGET with a routing, None without
+        (a budget without a routing is an error). Under 1, Flash-Cache and Flash-Verify stop recomputing
         prompt positions after the first pass (decoding/flash_cache.py).
     settings: the method's settings dataclass (its knobs and their defaults: `method_of(method).Settings`).
         Knobs may also be given as keywords, `SamplingParams(method="flash-cache", tracking_budget=40)`; a
@@ -36,11 +39,11 @@ class SamplingParams:
     temperature: float
     seed: int
     kv_routing: str | None
-    kv_budget: float
+    kv_budget: float | None
     settings: Any
 
     def __init__(self, method: str = DEFAULT_METHOD, max_tokens: int = 128, block_length: int = 32,
-                 temperature: float = 0.0, seed: int = 0, kv_routing: str | None = None, kv_budget: float = 0.125,
+                 temperature: float = 0.0, seed: int = 0, kv_routing: str | None = None, kv_budget: float | None = None,
                  settings: Any = None, **given):
         decoding = method_of(method)
         if given:
@@ -64,7 +67,12 @@ class SamplingParams:
         check(0 <= seed < 1 << 63, f"seed must be in [0, 2**63), got {seed}")
         check(kv_routing is None or kv_routing in POLICIES,
               f"kv_routing must be None or one of {', '.join(POLICIES)}, got {kv_routing!r}")
-        check(0 < kv_budget <= 1, f"kv_budget must be in (0, 1], got {kv_budget}")
+        check(kv_budget is None or kv_routing is not None,
+              f"kv_budget ({kv_budget}) applies only with kv_routing ({', '.join(POLICIES)}); without one every "
+              f"step reads the whole prompt")
+        if kv_routing is not None and kv_budget is None:
+            object.__setattr__(self, "kv_budget", kv_budget := DEFAULT_KV_BUDGET)
+        check(kv_budget is None or 0 < kv_budget <= 1, f"kv_budget must be in (0, 1], got {kv_budget}")
         check(kv_routing is None or decoding.uses_cache,
               f"kv_routing routes the KV cache's prompt keys: method {method!r} keeps no cache; use one of "
               f"{', '.join(m.name for m in METHODS.values() if m.uses_cache)}")
