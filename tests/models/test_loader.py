@@ -1,4 +1,5 @@
-"""Checkpoint save/load round trips, the errors for broken checkpoints, and the LLaDA-8B configuration."""
+"""Checkpoint save/load round trips, the errors for broken checkpoints, the LLaDA-8B configuration, and models
+refused before allocation when their weights cannot fit the device."""
 from __future__ import annotations
 
 import json
@@ -13,7 +14,8 @@ from safetensors.torch import load_file, save_file
 
 import flash_dllm
 from flash_dllm.config import PRESETS
-from flash_dllm.models import build_model, parse_config, random_model, save_checkpoint
+from flash_dllm.cli import main
+from flash_dllm.models import build_model, loader, parse_config, random_model, save_checkpoint
 
 P = "model.transformer."
 INDEX = "model.safetensors.index.json"
@@ -287,3 +289,51 @@ def test_llada_8b_parameters_on_meta():
     for name, (param, rows) in layout.items():
         target = params[param] if rows is None else params[param][rows]
         assert tuple(target.shape) == shapes[name], name
+
+
+# ----------------------------------------------------------------------------- models too large for the device
+
+@pytest.fixture
+def small_memory(monkeypatch):
+    """Every device has 1 GB available, and allocating a model fails the test (the check comes first)."""
+    monkeypatch.setattr(loader, "available_memory", lambda device: 10**9)
+
+    def allocate(*args, **kwargs):
+        raise AssertionError("a model was allocated before the memory check")
+    monkeypatch.setattr(torch.nn.Module, "to_empty", allocate)
+
+
+def test_model_larger_than_available_memory_is_refused(small_memory, mha_checkpoint, monkeypatch):
+    with pytest.raises(ValueError) as info:
+        random_model("llada-8b", "cpu", torch.float32)
+    assert str(info.value) == ("random:llada-8b needs 32.1 GB for its weights in float32, the CPU has 1.0 GB "
+                               "available; use a GPU (--device cuda) or a smaller model")
+    with pytest.raises(ValueError, match=re.escape("random:dream-7b needs 15.2 GB for its weights in bfloat16, "
+                                                   "cuda:1 has 1.0 GB available")):
+        random_model("dream-7b", "cuda:1", torch.bfloat16)  # refused before CUDA is touched
+    monkeypatch.setattr(loader, "available_memory", lambda device: 1000)  # the tiny checkpoint does not fit either
+    with pytest.raises(ValueError, match=re.escape(f"{mha_checkpoint} needs ")):
+        flash_dllm.load_model(mha_checkpoint)
+
+
+def test_bench_on_a_cpu_without_the_memory_reports_one_line(small_memory, capsys):
+    code = main(["bench", "generate", "--model", "random:llada-8b", "--device", "cpu", "--batch-sizes", "1"])
+    assert code == 2
+    assert capsys.readouterr().err == ("flash-dllm: error: random:llada-8b needs 32.1 GB for its weights in float32, "
+                                       "the CPU has 1.0 GB available; use a GPU (--device cuda) or a smaller model\n")
+
+
+def test_available_cpu_memory(monkeypatch):
+    meminfo = Path("/proc/meminfo")
+    if meminfo.is_file():
+        kb = next(int(line.split()[1]) for line in meminfo.read_text().splitlines() if line.startswith("MemAvailable:"))
+        assert abs(loader.available_memory(torch.device("cpu")) - kb * 1024) < 2**30  # it moves meanwhile
+
+    def unreadable(*args, **kwargs):
+        raise OSError("no /proc")
+    monkeypatch.setattr(loader, "open", unreadable, raising=False)
+    monkeypatch.setattr(loader.os, "sysconf", lambda name: {"SC_AVPHYS_PAGES": 5, "SC_PAGE_SIZE": 4096}[name])
+    assert loader.available_memory(torch.device("cpu")) == 5 * 4096
+    monkeypatch.delattr(loader.os, "sysconf")
+    assert loader.available_memory(torch.device("cpu")) is None
+    assert random_model("llada-tiny", "cpu", torch.float32) is not None  # unknown memory: not checked

@@ -1,9 +1,12 @@
 """Checkpoint I/O: the architecture registry (config.json's model_type -> its DiffusionLM class), stream
 Hugging Face safetensors (sharded or single) into a model, save in the same format, or fill a model of a
-named configuration with random weights directly on its device."""
+named configuration with random weights directly on its device. A model whose weights cannot fit the device's
+memory is refused before anything is allocated."""
 from __future__ import annotations
 
+import itertools
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -35,12 +38,51 @@ def config_from_dir(path: str | Path) -> ModelConfig:
     return parse_config(read_config_json(path))
 
 
-def build_model(cfg: ModelConfig, device: str | torch.device, dtype: torch.dtype) -> DiffusionLM:
-    """An uninitialised model, allocated once, directly on `device` in `dtype`."""
+def build_model(cfg: ModelConfig, device: str | torch.device, dtype: torch.dtype,
+                name: str = "the model") -> DiffusionLM:
+    """An uninitialised model, allocated once, directly on `device` in `dtype`; refused (ValueError, naming the
+    model as `name`) when its weights need more memory than the device has available."""
     with torch.device("meta"):
-        model = ARCHITECTURES[cfg.architecture](cfg)
-    model = model.to(dtype=dtype).to_empty(device=device)
+        model = ARCHITECTURES[cfg.architecture](cfg).to(dtype=dtype)
+    check_fits(model, torch.device(device), name)
+    model = model.to_empty(device=device)
     return model.eval().requires_grad_(False)
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes that `device` can still allocate: CUDA's free memory; on the CPU, MemAvailable (free memory plus the
+    page cache the kernel can reclaim); None where it cannot be read."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # in kB
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows) or no such name (macOS)
+        return None
+
+
+def check_fits(model: DiffusionLM, device: torch.device, name: str):
+    """Refuse a model (still on the meta device) whose weights exceed `device`'s available memory: on the CPU the
+    kernel's OOM killer would otherwise end the process without a word, part way through the allocation."""
+    if device.type == "meta":
+        return
+    needed = sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers()))
+    available = available_memory(device)
+    if available is None or needed <= available:
+        return
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    where, hint = (("the CPU", "use a GPU (--device cuda) or a smaller model") if device.type == "cpu" else
+                   (str(device), "use a GPU with more free memory or a smaller model"))
+    raise ValueError(f"{name} needs {needed / 1e9:.1f} GB for its weights in {dtype}, {where} has "
+                     f"{available / 1e9:.1f} GB available; {hint}")
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> DiffusionLM:
@@ -53,7 +95,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     path = Path(path)
     cfg = config_from_dir(path)
     files = weight_files(path)
-    model = build_model(cfg, device, dtype)
+    model = build_model(cfg, device, dtype, name=str(path))
     load_weights(model, files, device)
     return model
 
@@ -128,7 +170,7 @@ def random_config(spec: str) -> ModelConfig:
 def random_model(spec: str, device: str | torch.device, dtype: torch.dtype, seed: int = 0,
                  std: float = 0.02) -> DiffusionLM:
     """A model with random weights of `random_config(spec)`, drawn directly on `device`."""
-    model = build_model(random_config(spec), device, dtype)
+    model = build_model(random_config(spec), device, dtype, name=f"random:{spec}")
     generator = torch.Generator(device=device).manual_seed(seed)
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):

@@ -1,0 +1,53 @@
+"""Model names to checkpoint directories: a local directory as it is; a Hugging Face hub repo id (`owner/name`)
+through huggingface_hub's cache, downloading only the files we load (once; HF_HUB_OFFLINE=1 reads the cache only)."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+# What load_model and load_tokenizer read (transformers' tokenizer classes read the special tokens, added tokens
+# and chat template files); the repos' remote code and other weight formats stay on the hub.
+CHECKPOINT_FILES = [
+    "config.json", "*.safetensors", "model.safetensors.index.json", "generation_config.json",
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "vocab.json", "merges.txt", "chat_template.json", "*.jinja",
+]
+# The hub's owner/name: letters, digits, '-', '_' and '.', neither part starting with '.' or '-' (so "./x" and
+# "../x" stay paths).
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+
+
+def is_hub_id(spec: str) -> bool:
+    return HUB_ID.fullmatch(spec) is not None
+
+
+def resolve_checkpoint(spec: str | Path) -> Path:
+    """The checkpoint directory that `spec` names: an existing local directory wins; otherwise a hub repo id
+    resolves to its snapshot in the Hugging Face cache (HF_HUB_CACHE), downloaded there first if needed.
+    Raises a one-line ValueError for a missing directory or a repo that cannot be had."""
+    path = Path(spec)
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise ValueError(f"model directory {str(spec)!r} is not a directory")
+    if not is_hub_id(str(spec)):
+        raise ValueError(f"model directory {str(spec)!r} does not exist")
+    return from_hub(str(spec))
+
+
+def from_hub(repo_id: str) -> Path:
+    try:
+        import huggingface_hub
+        from huggingface_hub import constants
+    except ImportError:
+        raise ValueError(f"model directory {repo_id!r} does not exist; to load it as a Hugging Face hub repo, "
+                         "pip install 'flash-dllm[hub]'") from None
+    try:
+        return Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=CHECKPOINT_FILES))
+    except (OSError, ValueError) as e:  # huggingface_hub's errors are OSErrors (HTTP, not cached) or ValueErrors
+        if constants.HF_HUB_OFFLINE:
+            raise ValueError(f"{repo_id}: no such local directory, and the Hugging Face hub repo is not in the cache "
+                             f"{constants.HF_HUB_CACHE} while HF_HUB_OFFLINE=1 forbids downloading it") from None
+        reason = " ".join(str(e).split()) or "no message"  # its messages span lines
+        raise ValueError(f"{repo_id}: no such local directory, and the Hugging Face hub repo could not be had "
+                         f"({type(e).__name__}: {reason})") from None
