@@ -10,6 +10,13 @@ from flash_dllm.cli import main
 from flash_dllm.config import PRESETS
 
 
+class Terminal:
+    """Standard input as a terminal: nothing piped in."""
+
+    def isatty(self) -> bool:
+        return True
+
+
 def test_generate_prompts_and_file(gqa_checkpoint, tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "What is 3 + 4?"}) + "\n" +
@@ -32,9 +39,13 @@ def test_generate_on_embedded_model(capsys):
 
 
 def test_info(capsys):
-    assert main(["info", "--model", "random:llada-8b"]) == 0
+    assert main(["info", "--model", "random:llada-8b", "--device", "cpu", "--dtype", "bfloat16"]) == 0
     out = capsys.readouterr().out
-    assert "parameters: 8,015,581,184" in out and "KV cache per token: 524,288 bytes" in out
+    assert "parameters: 8,015,581,184 (16.03 GB in bfloat16)" in out and "KV cache per token: 524,288 bytes" in out
+    assert main(["info", "--model", "random:llada-8b", "--device", "cpu"]) == 0  # the dtype it would run in there
+    out = capsys.readouterr().out
+    assert "runs on: cpu in float32" in out and "(32.06 GB in float32)" in out
+    assert "KV cache per token: 1,048,576 bytes (float32, all layers; 1000.0 MiB per 1k tokens)" in out
     assert main(["info"]) == 0  # the embedded model's directory
     assert "architecture: llada" in capsys.readouterr().out
 
@@ -46,9 +57,10 @@ def test_bench_forward_on_cpu(capsys):
     assert table.count("\n| 2 | 32 |") == 2
 
 
-def test_errors_are_reported_not_raised(tmp_path, capsys):
+def test_errors_are_reported_not_raised(tmp_path, capsys, monkeypatch):
     assert main(["generate", "x", "--model", str(tmp_path / "missing"), "--device", "cpu"]) == 2
     assert "does not exist" in capsys.readouterr().err
+    monkeypatch.setattr("sys.stdin", Terminal())
     assert main(["generate", "--device", "cpu"]) == 2
     assert "no prompts" in capsys.readouterr().err
     assert main(["generate", "x", "--device", "cpu", "--max-tokens", "0"]) == 2
@@ -59,7 +71,7 @@ def test_demo(capsys):
     assert main(["demo", "--device", "cpu", "--items", "2", "--methods", "parallel",
                  "--tasks", "arith", "passkey"]) == 0
     table = capsys.readouterr().out
-    assert "| parallel | arith | 2 |" in table and "| parallel | passkey@256 | 2 |" in table
+    assert "| parallel | arith | " in table and "| parallel | passkey@256 | 2/2 |" in table
 
 
 def test_eval_on_embedded_task(gqa_checkpoint, tmp_path, capsys):

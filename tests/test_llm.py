@@ -53,7 +53,7 @@ def test_directory_without_tokenizer(tmp_path, gqa_checkpoint):
         shutil.copy(gqa_checkpoint / name, path / name)
     llm = LLM(str(path), device="cpu")
     out = llm.generate([[0, 5, 6, 7]], SamplingParams(max_tokens=8, block_length=8))[0]
-    assert out.text is None and len(out.token_ids) <= 8
+    assert out.text == "" and len(out.token_ids) <= 8
     assert llm.generate("hello")[0].error == ("prompt 0: this model has no tokenizer (no tokenizer.json); give "
                                               "prompts as token-id lists")
 
@@ -129,7 +129,7 @@ def test_bad_prompts_fail_alone(llm, caplog):
     assert [out.index for out in outs] == list(range(len(prompts)))
     for index, ((prompt, message), out) in enumerate(zip(BAD_PROMPTS, outs[1:-1]), 1):
         assert re.fullmatch(f"prompt {index}: {message}", out.error), out.error
-        assert (out.finish_reason, out.request_id, out.text, out.token_ids) == ("error", None, None, [])
+        assert (out.finish_reason, out.request_id, out.text, out.token_ids) == ("error", None, "", [])
         assert out.prompt == prompt
     assert [record.getMessage() for record in caplog.records] == [out.error for out in outs[1:-1]]
     for index in (0, len(prompts) - 1):

@@ -14,11 +14,61 @@ from .sampling_params import DEFAULT_KV_BUDGET, SamplingParams, knobs
 from .tasks import RETRIEVAL_TASKS, TASKS
 
 
-def add_model_args(parser: argparse.ArgumentParser):
-    parser.add_argument("--model", default=None,
-                        help="checkpoint directory, or random:PRESET (default: the embedded model)")
+class HelpFormatter(argparse.HelpFormatter):
+    """--help shows each flag's default, unless its help already says it or there is none."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default is None or action.default is False or action.default == argparse.SUPPRESS or \
+                "default" in text or not action.option_strings:
+            return text
+        default = " ".join(map(str, action.default)) if isinstance(action.default, list) else action.default
+        return f"{text} (default: {default})".lstrip()
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """Usage mistakes are one line naming the flag, as the other input errors are (exit code 2)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, formatter_class=HelpFormatter, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def at_least(minimum: int):
+    """An argparse type: an int of at least `minimum` (counts, limits, sizes)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+    parse.__name__ = f"int >= {minimum}"
+    return parse
+
+
+def port(text: str) -> int:
+    """An argparse type: a TCP port."""
+    value = at_least(0)(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be at most 65535, got {value}")
+    return value
+
+
+BLOCK_LENGTH_HELP = "semi-autoregressive block size; the last block is shorter where it does not divide max-tokens"
+TEMPERATURE_HELP = "0: greedy; > 0: Gumbel-max sampling in float64"
+SEED_HELP = "the sampling noise's seed, per request"
+
+
+def add_model_args(parser: argparse.ArgumentParser, default_model: str | None = None):
+    parser.add_argument("--model", default=default_model,
+                        help=f"checkpoint directory, Hugging Face repo id, or random:PRESET (default: "
+                             f"{default_model or 'the embedded model'})")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    parser.add_argument("--dtype", default=None, help="bfloat16, float16 or float32 (default: bf16 on GPU)")
+    parser.add_argument("--dtype", default=None, help="bfloat16, float16 or float32 (default: bf16 on GPU, fp32 on CPU)")
     parser.add_argument("--kernels", choices=["on", "off"], default=None,
                         help="Triton kernels for the cached methods (default: on with CUDA); off = PyTorch reference")
     parser.add_argument("--cuda-graphs", choices=["on", "off"], default=None,
@@ -43,11 +93,11 @@ def llm_from_args(args, default_device: str | None = None, **options):
 def add_sampling_args(parser: argparse.ArgumentParser):
     """--method, the common fields and one flag per knob of the registered methods (SamplingParams' names)."""
     g = parser.add_argument_group("decoding")
-    g.add_argument("--method", default=DEFAULT_METHOD, choices=list(METHODS))
+    g.add_argument("--method", default=DEFAULT_METHOD, choices=list(METHODS), help="decoding method (README's table)")
     g.add_argument("--max-tokens", type=int, default=128, help="generation length")
-    g.add_argument("--block-length", type=int, default=32)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--block-length", type=int, default=32, help=BLOCK_LENGTH_HELP)
+    g.add_argument("--temperature", type=float, default=0.0, help=TEMPERATURE_HELP)
+    g.add_argument("--seed", type=int, default=0, help=SEED_HELP)
     g.add_argument("--kv-routing", choices=POLICIES, help="read only the prompt's KV chunks that each step's "
                    "queries may need (cached methods; default: dense)")
     g.add_argument("--kv-budget", type=float, help=f"with --kv-routing: the fraction of the prompt's keys a step "
@@ -68,33 +118,54 @@ def sampling_params_from_args(args) -> SamplingParams:
                           kv_budget=args.kv_budget, **given)
 
 
-def read_prompts(args) -> list[tuple[str, object, str | None]]:
-    """(where, prompt, problem) for the prompt arguments, then the file's non-blank lines: one prompt per line,
+STDIN = "-"
+
+
+def read_prompts(args, stdin=None) -> list[tuple[str, object, str | None]]:
+    """(where, prompt, problem) for the prompt arguments, then the file's lines: one prompt per non-blank line,
     or per jsonl line an object with a prompt, messages or prompt_token_ids. `where` names the argument or
-    file:line; a line that cannot be read has a problem instead of a prompt, and fails alone."""
+    file:line; a line that cannot be read has a problem instead of a prompt, and fails alone.
+    Standard input, as Unix tools read it: the argument `-` is the whole of it as one prompt (also when it is
+    piped in and nothing else is given); `--file -` reads it as a file, jsonl when its first non-blank line is a
+    JSON object."""
+    stdin = sys.stdin if stdin is None else stdin
+    arguments = list(args.prompts)
+    if not arguments and not args.file and not stdin.isatty():
+        arguments = [STDIN]
+    if arguments.count(STDIN) + (args.file == STDIN) > 1:
+        raise ValueError("standard input (-) can be read once: as one prompt argument or as --file -")
     prompts = []
-    for number, prompt in enumerate(args.prompts, 1):
+    for number, prompt in enumerate(arguments, 1):
+        where = f"argument {number}"
+        if prompt == STDIN:
+            prompt, where = stdin.buffer.read().decode("utf-8", errors="surrogateescape"), "stdin"
         try:
             prompt.encode("utf-8")
         except UnicodeEncodeError:  # argv's escape for a byte that is not UTF-8
-            prompts.append((f"argument {number}", None, "not valid UTF-8"))
+            prompts.append((where, None, "not valid UTF-8"))
             continue
-        prompts.append((f"argument {number}", prompt, None))
+        prompts.append((where, prompt, None))
     if args.file:
-        path = Path(args.file)
-        if not path.is_file():
-            raise FileNotFoundError(f"prompt file {path} does not exist")
-        for number, raw in enumerate(path.read_bytes().splitlines(), 1):
+        if args.file == STDIN:
+            path, data = Path("<stdin>"), stdin.buffer.read()
+            first = next((line for line in data.splitlines() if line.strip()), b"")
+            jsonl = first.lstrip().startswith(b"{")
+        else:
+            path = Path(args.file)
+            if not path.is_file():
+                raise FileNotFoundError(f"prompt file {path} does not exist")
+            data, jsonl = path.read_bytes(), path.suffix == ".jsonl"
+        for number, raw in enumerate(data.splitlines(), 1):
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
                 prompts.append((f"{path}:{number}", None, f"not valid UTF-8 (byte {e.start + 1})"))
                 continue
             if line.strip():
-                prompt, problem = _jsonl_prompt(line) if path.suffix == ".jsonl" else (line, None)
+                prompt, problem = _jsonl_prompt(line) if jsonl else (line, None)
                 prompts.append((f"{path}:{number}", prompt, problem))
     if not prompts:
-        raise ValueError("no prompts: give them as arguments or with --file")
+        raise ValueError("no prompts: give them as arguments, with --file, or on standard input (-)")
     return prompts
 
 
@@ -138,7 +209,7 @@ def cmd_generate(args) -> int:
         elif out.error is None:
             print(f"--- request {out.index} ({prompts[out.index][0]}, {out.finish_reason}, {len(out.token_ids)} "
                   f"tokens, {out.steps} steps, NFE {out.nfe}, {out.query_rows_per_step:.0f} query rows per step)")
-            print(out.text if out.text is not None else out.token_ids, flush=True)
+            print(out.token_ids if llm.tokenizer is None else out.text, flush=True)
 
     def named(index: int, problem: str) -> str:
         return f"prompt {index} ({prompts[index][0]}): {problem}"
@@ -181,21 +252,28 @@ def cmd_generate(args) -> int:
 def cmd_info(args):
     import torch
 
-    from .llm import RANDOM_PREFIX, default_model_path
-    from .models import build_model, config_from_dir
+    from .cache.kv_cache import KVCache
+    from .llm import RANDOM_PREFIX, default_model_path, resolve_device, resolve_dtype
+    from .models import build_model, config_from_dir, resolve_checkpoint
     from .models.loader import random_config
 
     spec = args.model or str(default_model_path())
     if spec.startswith(RANDOM_PREFIX):
         cfg = random_config(spec[len(RANDOM_PREFIX):])
     else:
-        cfg = config_from_dir(spec)
-    num_params = sum(p.numel() for p in build_model(cfg, "meta", torch.bfloat16).parameters())
+        cfg = config_from_dir(resolve_checkpoint(spec))
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    name = str(dtype).removeprefix("torch.")
+    num_params = sum(p.numel() for p in build_model(cfg, "meta", dtype).parameters())
     print(f"model: {spec}")
     for key, value in vars(cfg).items():
         print(f"  {key}: {value}")
-    print(f"parameters: {num_params:,} ({num_params * 2 / 1e9:.2f} GB in bf16)")
-    print(f"KV cache per token: {cfg.kv_bytes_per_token:,} bytes (bf16, all layers)")
+    print(f"runs on: {device} in {name}")
+    print(f"parameters: {num_params:,} ({num_params * dtype.itemsize / 1e9:.2f} GB in {name})")
+    per_token = KVCache.bytes_per_row(cfg, dtype)
+    print(f"KV cache per token: {per_token:,} bytes ({name}, all layers; {per_token * 1000 / 2**20:.1f} MiB per "
+          f"1k tokens)")
 
 
 def bench_cases(args):
@@ -222,6 +300,7 @@ def cmd_bench(args):
     from .bench.generate import bench_generate, format_table as format_generate_table
     from .bench.step import bench_step, format_table as format_step_table
 
+    cases = list(bench_cases(args)) if args.bench in ("step", "generate") else []  # checked before the model loads
     llm = llm_from_args(args, max_batch_size=max(getattr(args, "batch_sizes", [32])))
     device_name = torch.cuda.get_device_name(llm.device) if llm.device.type == "cuda" else "cpu"
     print(f"# bench {args.bench}: {args.model} on {device_name}, {llm.dtype}")
@@ -241,19 +320,29 @@ def cmd_bench(args):
     kernels, graphs = ("on" if flag else "off" for flag in (llm.runner.kernels, llm.runner.cuda_graphs))
     switches = f"kernels {kernels}, CUDA graphs {graphs}"
     if args.bench == "generate":
-        print(f"# prompt {args.prompt_length}, generation {args.max_tokens}, one timed LLM.generate call per row "
-              f"after a warm-up call; {switches}")
+        prompts = args.prompts or ("random" if llm.tokenizer is None else "tasks")
+        if prompts == "tasks" and llm.tokenizer is None:
+            raise ValueError(f"--prompts tasks: {args.model} has no tokenizer; use --prompts random")
+        if prompts == "tasks" and args.prompt_length is not None:
+            raise ValueError("--prompt-length sets the random prompts' length; the task prompts have their own "
+                             "(use --prompts random)")
+        length = (args.prompt_length or 256) if prompts == "random" else None
+        print(f"# prompts: {'the embedded tasks (chat)' if length is None else f'random, {length} tokens'}, "
+              f"generation {args.max_tokens}, one timed LLM.generate call per row after a warm-up call; {switches}")
         results = []
-        for params, batch in bench_cases(args):
-            results.append(r := bench_generate(llm, params, batch, args.prompt_length))
+        for params, batch in cases:
+            results.append(r := bench_generate(llm, params, batch, length))
             print(f"{params.method} batch {batch}: {r.ms_per_iter:.2f} ms/iter over {r.iterations} iterations, "
                   f"{r.tokens_per_s:.1f} tok/s", file=sys.stderr, flush=True)
+        if any(r.tokens == 0 for r in results):
+            print("warning: some rows generated no tokens (every request stopped at once): their tok/s is 0",
+                  file=sys.stderr)
         print(format_generate_table(results))
         return
     print(f"# prompt {args.prompt_length}, generation {args.max_tokens}, {args.warmup} warm-up + {args.iters} "
           f"timed iterations; {switches}")
     results = []
-    for params, batch in bench_cases(args):
+    for params, batch in cases:
         results.append(r := bench_step(llm, params, batch, args.prompt_length, args.warmup, args.iters))
         print(f"{params.method} {r.routing} batch {batch}: {r.ms_per_iter:.2f} ms/iter, {r.query_rows:.0f} query "
               f"rows, {r.ratio:.2f}x floor", file=sys.stderr, flush=True)  # progress, in case a long run is cut short
@@ -281,11 +370,11 @@ def cmd_demo(args):
         if task in RETRIEVAL_TASKS:
             lengths = sorted({item.length for item in test_set})
             if args.prompt_length not in lengths:
-                raise SystemExit(f"--prompt-length {args.prompt_length}: {task} has items of "
+                raise ValueError(f"--prompt-length {args.prompt_length}: {task} has items of "
                                  f"{', '.join(map(str, lengths))} tokens")
             test_set = [item for item in test_set if item.length == args.prompt_length]
         items[task] = test_set[:args.items]
-    rows, variants = [], demo_variants()
+    rows, answers, variants = [], {}, demo_variants()
     for label in args.methods:
         params = {task: SamplingParams(max_tokens=args.max_tokens or answer_length(task),
                                        block_length=args.block_length, **variants[label]) for task in args.tasks}
@@ -294,12 +383,23 @@ def cmd_demo(args):
             llm.generate(items[args.tasks[0]][0].prompt, warmup)
         for task in args.tasks:
             r = run_task(llm, task, label, items[task], params[task])
-            rows.append((label, task + (f"@{args.prompt_length}" if task in RETRIEVAL_TASKS else ""), r.num_items,
-                         f"{100 * r.accuracy:.1f}", f"{r.nfe:.1f}", f"{r.tokens_per_step:.2f}",
-                         f"{r.query_rows_per_step:.0f}", f"{r.tokens_per_s:.1f}"))
+            answers.setdefault(label, []).extend(f"{'-' if a is None else a} {'ok' if ok else 'wrong'}"
+                                                 for a, ok in zip(r.answers, r.verdicts))
+            rows.append((label, task + (f"@{args.prompt_length}" if task in RETRIEVAL_TASKS else ""),
+                         f"{r.num_correct}/{r.num_items}", f"{100 * r.accuracy:.1f}", f"{r.nfe:.1f}",
+                         f"{r.tokens_per_step:.2f}", f"{r.query_rows_per_step:.0f}", f"{r.tokens_per_s:.1f}"))
             print(" | ".join(map(str, rows[-1])), file=sys.stderr, flush=True)
-    print(markdown_table(("method", "task", "items", "accuracy %", "NFE", "tokens/step", "query rows/step",
+    print(markdown_table(("method", "task", "correct", "accuracy %", "NFE", "tokens/step", "query rows/step",
                           "tokens/s"), rows))
+    if args.items <= DEMO_ANSWERS_UP_TO:  # too few items for an accuracy to mean much: show what each method said
+        print(f"\nEach method's answer (the value after ####) to each item, against the expected one; "
+              f"--items 50 for accuracies")
+        header = ["method", *(f"{task} #{i} (expected {item.answer})" for task in args.tasks
+                              for i, item in enumerate(items[task]))]
+        print(markdown_table(header, [(label, *cells) for label, cells in answers.items()]))
+
+
+DEMO_ANSWERS_UP_TO = 3  # items per task up to which demo prints every answer
 
 
 EVAL_TASKS = ("gsm8k", "math500", "humaneval", "mbpp", "arith", "trace", "passkey", "multikey")
@@ -308,17 +408,17 @@ EVAL_TASKS = ("gsm8k", "math500", "humaneval", "mbpp", "arith", "trace", "passke
 def add_eval_args(parser: argparse.ArgumentParser):
     parser.add_argument("--task", required=True, choices=EVAL_TASKS)
     parser.add_argument("--data", help="mbpp: a local jsonl in the standard MBPP format (else the Hugging Face hub)")
-    parser.add_argument("--limit", type=int, help="the first N items only")
-    parser.add_argument("--prompt-length", type=int,
+    parser.add_argument("--limit", type=at_least(1), help="the first N items only")
+    parser.add_argument("--prompt-length", type=at_least(1),
                         help="retrieval tasks (passkey, multikey): the items of this prompt length only")
-    parser.add_argument("--batch-size", type=int, default=32, help="most requests decoded together")
+    parser.add_argument("--batch-size", type=at_least(1), default=32, help="most requests decoded together")
     parser.add_argument("--no-chat-template", action="store_true", help="plain few-shot text prompts")
     parser.add_argument("--no-progress", action="store_true")
 
 
 def check_prompt_length(args):
     if args.prompt_length is not None and args.task not in RETRIEVAL_TASKS:
-        raise SystemExit(f"--prompt-length selects the items of a retrieval task ({', '.join(RETRIEVAL_TASKS)}); "
+        raise ValueError(f"--prompt-length selects the items of a retrieval task ({', '.join(RETRIEVAL_TASKS)}); "
                          f"task {args.task!r} has none")
 
 
@@ -415,16 +515,17 @@ def cmd_bench_serve(args):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="flash-dllm", description="Fast inference for diffusion language models")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = ArgumentParser(prog="flash-dllm", description="Fast inference for diffusion language models")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
 
     gen = sub.add_parser("generate", help="generate text for prompts")
-    gen.add_argument("prompts", nargs="*", help="prompt strings")
+    gen.add_argument("prompts", nargs="*", help="prompt strings; - reads one prompt from standard input (as does "
+                     "piping into the command without arguments)")
     gen.add_argument("--file", help="prompts: a text file (one per line) or .jsonl with prompt/messages/"
-                                    "prompt_token_ids (blank lines skipped)")
+                                    "prompt_token_ids (blank lines skipped); - reads standard input")
     add_model_args(gen)
     add_sampling_args(gen)
-    gen.add_argument("--batch-size", type=int, default=32, help="most requests decoded together")
+    gen.add_argument("--batch-size", type=at_least(1), default=32, help="most requests decoded together")
     gen.add_argument("--no-chat-template", action="store_true", help="encode string prompts as raw text")
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object per request as it finishes, with its index (and error if it failed)")
@@ -433,14 +534,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="every decoding method on held-out items of the embedded tasks")
     add_model_args(demo)
-    demo.add_argument("--items", type=int, default=1, help="held-out items per task")
-    demo.add_argument("--tasks", nargs="+", default=["arith", "trace", "passkey"], choices=list(TASKS))
-    demo.add_argument("--methods", nargs="+", default=list(demo_variants()), choices=list(demo_variants()))
-    demo.add_argument("--prompt-length", type=int, default=256, help="retrieval tasks: the items of this length")
+    demo.add_argument("--items", type=at_least(1), default=1, help=f"held-out items per task (up to "
+                      f"{DEMO_ANSWERS_UP_TO}, every method's answer to each is shown)")
+    demo.add_argument("--tasks", nargs="+", default=["arith", "trace", "passkey"], choices=list(TASKS),
+                      help="the embedded model's tasks")
+    demo.add_argument("--methods", nargs="+", default=list(demo_variants()), choices=list(demo_variants()),
+                      help="methods and named variants")
+    demo.add_argument("--prompt-length", type=at_least(1), default=256, help="retrieval tasks: the items of this length")
     demo.add_argument("--max-tokens", type=int, help="generation length (default: the task's, passkey and multikey 32, "
                       "arith and trace 128)")
-    demo.add_argument("--block-length", type=int, default=32)
-    demo.add_argument("--batch-size", type=int, default=32)
+    demo.add_argument("--block-length", type=int, default=32, help=BLOCK_LENGTH_HELP)
+    demo.add_argument("--batch-size", type=at_least(1), default=32, help="most requests decoded together")
     demo.set_defaults(func=cmd_demo)
 
     ev = sub.add_parser("eval", help="accuracy and speed of one method on a benchmark (torchrun: data-parallel)")
@@ -456,9 +560,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_eval_args(sweep)
     sweep.add_argument("--methods", nargs="+", required=True, choices=list(METHODS))
     sweep.add_argument("--max-tokens", type=int, help="generation length (default: the task's)")
-    sweep.add_argument("--block-length", type=int, default=32)
-    sweep.add_argument("--temperature", type=float, default=0.0)
-    sweep.add_argument("--seed", type=int, default=0)
+    sweep.add_argument("--block-length", type=int, default=32, help=BLOCK_LENGTH_HELP)
+    sweep.add_argument("--temperature", type=float, default=0.0, help=TEMPERATURE_HELP)
+    sweep.add_argument("--seed", type=int, default=0, help=SEED_HELP)
     values = sweep.add_argument_group("knob values (each varies only for the methods that read it)")
     for name, knob in knobs().items():
         values.add_argument("--" + name.replace("_", "-"), type=knob.type, nargs="+", metavar=name.upper())
@@ -467,50 +571,53 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
     add_model_args(srv)
-    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--max-batch", type=int, default=32, help="most requests decoded together")
-    srv.add_argument("--max-queue", type=int, default=256, help="requests waiting beyond the batch before 429")
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind; 0.0.0.0 serves every interface (then set --api-key)")
+    srv.add_argument("--port", type=port, default=8000, help="port to bind (0: any free one)")
+    srv.add_argument("--max-batch", type=at_least(1), default=32, help="most requests decoded together")
+    srv.add_argument("--max-queue", type=at_least(0), default=256, help="requests waiting beyond the batch before 429")
     srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*")
     srv.add_argument("--served-model-name", help="the model's id in the API (default: the directory's name)")
     add_sampling_args(srv)  # the defaults of the fields a request leaves out
     srv.set_defaults(func=cmd_serve)
 
-    info = sub.add_parser("info", help="print a model's configuration, parameter count and KV bytes per token")
-    info.add_argument("--model", default=None)
+    info = sub.add_parser("info", help="print a model's configuration, parameter count and KV bytes per token, "
+                                       "in the dtype it would run in")
+    info.add_argument("--model", default=None, help="checkpoint directory, Hugging Face repo id, or random:PRESET "
+                                                     "(default: the embedded model)")
+    info.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    info.add_argument("--dtype", default=None, help="bfloat16, float16 or float32 (default: bf16 on GPU, fp32 on "
+                                                     "CPU)")
     info.set_defaults(func=cmd_info)
 
     bench = sub.add_parser("bench", help="benchmarks against the roofline floor")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     forward = bench_sub.add_parser("forward", help="one full forward pass per batch size")
-    add_model_args(forward)
-    forward.set_defaults(model="random:llada-8b")
-    forward.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
-    forward.add_argument("--length", type=int, default=512)
+    add_model_args(forward, default_model="random:llada-8b")
+    forward.add_argument("--batch-sizes", type=at_least(1), nargs="+", default=[1, 32], help="one row each")
+    forward.add_argument("--length", type=at_least(1), default=512, help="sequence length")
     forward.add_argument("--block-length", type=int, default=32, help="LM-head rows of the engine's variant")
-    forward.add_argument("--iters", type=int, default=10)
+    forward.add_argument("--iters", type=at_least(1), default=10, help="timed passes")
     forward.set_defaults(func=cmd_bench)
     kernels = bench_sub.add_parser("kernels", help="each Triton kernel against its PyTorch path and cuBLAS / SDPA")
-    add_model_args(kernels)
-    kernels.set_defaults(model="random:llada-8b", func=cmd_bench)
-    kernels.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
-    kernels.add_argument("--rows", type=int, default=128, help="query rows per request")
-    kernels.add_argument("--kv-length", type=int, default=768, help="cache positions per request")
-    kernels.add_argument("--warmup", type=int, default=10, help="untimed calls per kernel first")
-    kernels.add_argument("--iters", type=int, default=50, help="timed calls per kernel (median)")
+    add_model_args(kernels, default_model="random:llada-8b")
+    kernels.set_defaults(func=cmd_bench)
+    kernels.add_argument("--batch-sizes", type=at_least(1), nargs="+", default=[1, 32], help="requests per launch")
+    kernels.add_argument("--rows", type=at_least(1), default=128, help="query rows per request")
+    kernels.add_argument("--kv-length", type=at_least(1), default=768, help="cache positions per request")
+    kernels.add_argument("--warmup", type=at_least(0), default=10, help="untimed calls per kernel first")
+    kernels.add_argument("--iters", type=at_least(1), default=50, help="timed calls per kernel (median)")
     step = bench_sub.add_parser("step", help="one decoding iteration per method and batch size (forced schedule)")
-    add_model_args(step)
-    step.set_defaults(model="random:llada-8b")
-    step.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
-    step.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 16, 32])
-    step.add_argument("--prompt-length", type=int, default=256)
+    add_model_args(step, default_model="random:llada-8b")
+    step.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS), help="one row each")
+    step.add_argument("--batch-sizes", type=at_least(1), nargs="+", default=[1, 8, 16, 32], help="one row each")
+    step.add_argument("--prompt-length", type=at_least(1), default=256, help="random prompts' length in tokens")
     step.add_argument("--max-tokens", type=int, default=512, help="generation length")
     step.add_argument("--block-length", type=int,
                       help="every method's block length (default: each method's published setting: "
                            + ", ".join(f"{m.name} {m.published_block_length}" for m in METHODS.values()) + ")")
-    step.add_argument("--warmup", type=int, default=8, help="untimed iterations first (the first pass, then the "
+    step.add_argument("--warmup", type=at_least(0), default=8, help="untimed iterations first (the first pass, then the "
                                                                "sightings and capture of the steady step's CUDA graph)")
-    step.add_argument("--iters", type=int, default=64,
+    step.add_argument("--iters", type=at_least(1), default=64,
                       help="timed iterations; a multiple of the block lengths times each cache refresh at its rate")
     step.add_argument("--kv-routing", nargs="+", choices=["dense", *POLICIES],
                       help="each method with each of these prompt-KV routings (default: dense only)")
@@ -519,21 +626,26 @@ def build_parser() -> argparse.ArgumentParser:
     step.set_defaults(func=cmd_bench)
     generate = bench_sub.add_parser("generate", help="end to end through LLM.generate: wall time per iteration, "
                                                      "tokens/s, NFE and tokens per step per method and batch size")
-    add_model_args(generate)
-    generate.set_defaults(model="random:llada-8b", func=cmd_bench)
-    generate.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
-    generate.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
-    generate.add_argument("--prompt-length", type=int, default=256)
+    add_model_args(generate, default_model="random:llada-8b")
+    generate.set_defaults(func=cmd_bench)
+    generate.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS), help="one row each")
+    generate.add_argument("--batch-sizes", type=at_least(1), nargs="+", default=[1, 32], help="one row each")
+    generate.add_argument("--prompts", choices=["random", "tasks"],
+                          help="random token ids (for random weights), or the embedded tasks' held-out items as chat "
+                               "(for a trained model, which stops at once on random ids) (default: tasks when the "
+                               "model has a tokenizer)")
+    generate.add_argument("--prompt-length", type=at_least(1), help="random prompts' length in tokens (default 256)")
     generate.add_argument("--max-tokens", type=int, default=512, help="generation length")
     generate.add_argument("--block-length", type=int, help="every method's block length (default: its published one)")
     bserve = bench_sub.add_parser("serve", help="concurrent clients against a running server; checks every answer")
-    bserve.add_argument("--url", default="http://127.0.0.1:8000")
-    bserve.add_argument("--clients", type=int, default=64)
+    bserve.add_argument("--url", default="http://127.0.0.1:8000", help="the server's address")
+    bserve.add_argument("--clients", type=at_least(1), default=64, help="concurrent clients, one request at a time "
+                                                                         "each")
     bserve.add_argument("--duration", type=float, default=60.0, help="seconds of timed load")
     bserve.add_argument("--prompts", choices=["tasks", "random"], default="tasks",
                         help="tasks: the embedded tasks' items as chat; random: token ids (a model without tokenizer)")
-    bserve.add_argument("--num-prompts", type=int, default=64, help="distinct prompts (prompt k is sent with seed k)")
-    bserve.add_argument("--prompt-length", type=int, default=256, help="random prompts' length in tokens")
+    bserve.add_argument("--num-prompts", type=at_least(1), default=64, help="distinct prompts (prompt k is sent with seed k)")
+    bserve.add_argument("--prompt-length", type=at_least(1), default=256, help="random prompts' length in tokens")
     bserve.add_argument("--method", help="request field (default: the server's)")
     bserve.add_argument("--max-tokens", type=int, help="request field (default: the server's)")
     bserve.add_argument("--temperature", type=float, help="request field (default: the server's)")
@@ -545,7 +657,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0, 1 (some prompt failed), 2 (a usage or input error, one line), 130 (interrupted)."""
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as done:  # --help, or a usage error already printed as one line
+        return done.code
     try:
         return args.func(args) or 0
     except (ValueError, OSError) as e:  # the user's input: one line, no traceback

@@ -15,7 +15,7 @@ import torch
 from .engine.llm_engine import LLMEngine
 from .engine.model_runner import ModelRunner
 from .engine.sequence import Sequence
-from .models import load_model, random_model
+from .models import load_model, random_model, resolve_checkpoint
 from .sampling_params import SamplingParams
 from .tokenizer import load_tokenizer, special_tokens
 
@@ -36,7 +36,7 @@ class RequestOutput:
     request_id: int | None     # the engine's id; None for a prompt that never reached the engine
     prompt: Prompt
     prompt_token_ids: list[int]
-    text: str | None           # None when the model directory has no tokenizer, or the request failed
+    text: str                  # "" when the request failed or the model directory has no tokenizer
     token_ids: list[int]       # generated tokens, up to and excluding the first eos/eot
     finish_reason: str         # "stop" (an eos/eot was generated), "length", "abort" or "error"
     nfe: int                   # forward passes
@@ -50,7 +50,7 @@ class RequestOutput:
     @classmethod
     def failed(cls, index: int, prompt: Prompt, error: str) -> RequestOutput:
         """The output of a prompt that could not run."""
-        return cls(request_id=None, prompt=prompt, prompt_token_ids=[], text=None, token_ids=[],
+        return cls(request_id=None, prompt=prompt, prompt_token_ids=[], text="", token_ids=[],
                    finish_reason="error", nfe=0, steps=0, query_rows=0, time_s=0.0, index=index, error=error)
 
     @property
@@ -60,6 +60,17 @@ class RequestOutput:
     @property
     def query_rows_per_step(self) -> float:
         return self.query_rows / max(self.steps, 1)
+
+
+def resolve_device(device: str | None) -> torch.device:
+    """The device a model runs on: as given, else cuda if this torch sees one."""
+    try:
+        resolved = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError:
+        raise ValueError(f"unknown device {device!r}; e.g. cpu, cuda, cuda:1") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(resolved)!r}: this torch build sees no CUDA device")
+    return resolved
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
@@ -77,8 +88,9 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 class LLM:
     """A diffusion language model ready to generate.
 
-    model: a checkpoint directory, "random:PRESET" (random weights of a named config, built directly on
-        the device), or None for the embedded default model.
+    model: a checkpoint directory, a Hugging Face hub repo id ("owner/name", through its local cache; with the
+        `hub` extra), "random:PRESET" (random weights of a named config, built directly on the device), or None
+        for the embedded default model.
     chat_template: apply the tokenizer's chat template to string prompts (default: when it has one).
     kv_cache_bytes: memory for the KV cache of the cached methods, at least one token's row (default: 40% of
         free GPU memory, or 1 GiB on the CPU); a request longer than the cache holds fails (alone).
@@ -95,19 +107,14 @@ class LLM:
                  dtype: str | torch.dtype | None = None, max_batch_size: int = 32,
                  chat_template: bool | None = None, seed: int = 0, kv_cache_bytes: int | None = None,
                  kernels: bool | None = None, cuda_graphs: bool | None = None, batch_invariant: bool = False):
-        try:
-            self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        except RuntimeError:
-            raise ValueError(f"unknown device {device!r}; e.g. cpu, cuda, cuda:1") from None
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device {str(self.device)!r}: this torch build sees no CUDA device")
+        self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         spec = str(model) if model is not None else str(default_model_path())
         if spec.startswith(RANDOM_PREFIX):
             self.path = None
             self.model = random_model(spec[len(RANDOM_PREFIX):], self.device, self.dtype, seed=seed)
         else:
-            self.path = Path(spec)
+            self.path = resolve_checkpoint(spec)
             self.model = load_model(self.path, self.device, self.dtype)
         self.config = self.model.config
         self.runner = ModelRunner(self.model, kernels=kernels, cuda_graphs=cuda_graphs, kv_cache_bytes=kv_cache_bytes,
@@ -129,6 +136,8 @@ class LLM:
             if bad:
                 raise ValueError(f"token id {bad[0]} is outside the vocabulary of {self.config.vocab_size}")
             return list(prompt)
+        if isinstance(prompt, str) and not prompt.strip():  # the one rule of the CLI, the API and the server
+            raise ValueError("the prompt is empty" if not prompt else "the prompt is only whitespace")
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer (no tokenizer.json); give prompts as token-id lists")
         if isinstance(prompt, str) and not (self.use_chat_template if chat_template is None else chat_template):
@@ -159,8 +168,9 @@ class LLM:
                              f"model's maximum sequence length of {self.config.max_position}")
         return ids
 
-    def decode(self, token_ids: list[int]) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode(token_ids)
+    def decode(self, token_ids: list[int]) -> str:
+        """The text of token ids; "" without a tokenizer (the ids are the output then)."""
+        return "" if self.tokenizer is None else self.tokenizer.decode(token_ids)
 
     def generate(self, prompts: Prompt | SequenceType[Prompt],
                  sampling_params: SamplingParams | SequenceType[SamplingParams] | None = None,

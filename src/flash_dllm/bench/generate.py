@@ -1,7 +1,9 @@
 """`flash-dllm bench generate`: decoding end to end through `LLM.generate`, per method and batch size.
 
-One timed call per (method, batch) on random prompts of one length, after an untimed warm-up call at the same
-prompt length and fewer tokens (it allocates the KV cache and compiles the kernels). The timed call captures
+One timed call per (method, batch) after an untimed warm-up call on the same prompts with fewer tokens. The
+prompts are random token ids of one length (`random`: random weights decode one token per step from them), or
+the embedded tasks' held-out word problems and programs as chat (`tasks`: a trained model answers them, where
+it would stop at once on random ids and leave no tokens to count) (it allocates the KV cache and compiles the kernels). The timed call captures
 the CUDA graphs that the warm-up could not, as a server does for a new batch: the whole-step graphs (keyed by
 the batch) and Elastic-Cache's (keyed by the sequence's width too), each at its second sighting (Elastic-Cache's
 refresh at its fourth). Reported: wall time over engine iterations (admission, the first full pass, scheduling
@@ -19,6 +21,8 @@ import torch
 from ..decoding.registry import method_of
 from ..markdown import markdown_table
 from ..sampling_params import SamplingParams
+
+Messages = list[dict]
 
 
 @dataclass(frozen=True)
@@ -50,13 +54,24 @@ def random_prompts(llm, batch: int, length: int, seed: int) -> list[list[int]]:
     return ids.masked_fill(torch.isin(ids, torch.tensor(sorted(special))), filler).tolist()
 
 
-def bench_generate(llm, params: SamplingParams, batch: int, prompt_length: int, seed: int = 0) -> GenerateResult:
+def task_prompts(batch: int) -> list[Messages]:
+    """The embedded tasks' first held-out arith and trace items, alternating, as one-turn chats."""
+    from ..tasks import load_test_set
+
+    arith, trace = load_test_set("arith"), load_test_set("trace")
+    items = [item for pair in zip(arith, trace) for item in pair]
+    return [[{"role": "user", "content": items[i % len(items)].prompt}] for i in range(batch)]
+
+
+def bench_generate(llm, params: SamplingParams, batch: int, prompt_length: int | None,
+                   seed: int = 0) -> GenerateResult:
+    """prompt_length: random prompts of that many tokens; None: the task prompts (the model needs a tokenizer)."""
     if batch > llm.engine.scheduler.max_batch_size:
         raise ValueError(f"batch {batch} is larger than the LLM's max_batch_size "
                          f"({llm.engine.scheduler.max_batch_size}): its requests would not run together")
     method = method_of(params.method)
     warm_tokens = min(params.max_tokens, 2 * params.block_length if method.uses_blocks else 32)
-    prompts = random_prompts(llm, batch, prompt_length, seed)
+    prompts = task_prompts(batch) if prompt_length is None else random_prompts(llm, batch, prompt_length, seed)
     llm.generate(prompts, dataclasses.replace(params, max_tokens=warm_tokens), use_tqdm=False)
     sync = torch.cuda.synchronize if llm.device.type == "cuda" else (lambda: None)
     sync()

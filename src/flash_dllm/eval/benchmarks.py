@@ -67,6 +67,8 @@ class Benchmark:
     def examples(self, chat: bool, path: str | None = None, limit: int | None = None,
                  length: int | None = None) -> list[Example]:
         """length: an embedded retrieval task's items of that prompt length only."""
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            raise ValueError(f"limit must be a positive number of items, got {limit!r}")
         if path is not None and not self.takes_data:
             raise ValueError(f"{self.name} reads its pinned data set; a data file applies to mbpp only")
         docs = self.load(path)

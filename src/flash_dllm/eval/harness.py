@@ -48,7 +48,7 @@ def evaluate(llm, task: str, params: SamplingParams, *, data: str | None = None,
         outputs = llm.generate([e.prompt for e in chunk], params, use_tqdm=False)
         gen_time += time.perf_counter() - begin
         # a failed prompt scores wrong
-        verdicts = benchmark.score([e.doc for e in chunk], [out.text or "" for out in outputs], chat)
+        verdicts = benchmark.score([e.doc for e in chunk], [out.text for out in outputs], chat)
         records += [_record(e, out, v) for e, out, v in zip(chunk, outputs, verdicts)]
         if bar is not None:
             bar.update(len(chunk))

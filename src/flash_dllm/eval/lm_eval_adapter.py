@@ -57,7 +57,7 @@ class FlashDLLM(LM):
         texts = []
         for request, out in zip(requests, outputs):
             until = request.args[1].get("until") or ()
-            text = truncate(out.text or "", (until,) if isinstance(until, str) else tuple(until))
+            text = truncate(out.text, (until,) if isinstance(until, str) else tuple(until))
             self.cache_hook.add_partial("generate_until", request.args, text)
             texts.append(text)
         return texts
