@@ -3,6 +3,7 @@ prompt's index and argument or file:line, the setting and its range, the file an
 requests of the same call finish. Errors in the call itself (a setting, the model) stop it with one line."""
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -281,27 +282,42 @@ def test_readme_python_example_runs_on_the_embedded_model(capsys):
     exec(example.replace(model, "LLM()"), {})
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 3 and all(line.split()[-1] in ("stop", "length") for line in lines)
+    assert [line.split("####")[1].split("'")[0].strip() for line in lines] == ["12", "12", "20"]  # task-format prompts
 
 
-def readme_generate_commands() -> list[list[str]]:
-    """Every `flash-dllm generate` command of the README's bash blocks that needs no model of the user's."""
-    commands = []
+def readme_generate_commands() -> list[tuple[list[str], str | None]]:
+    """Every `flash-dllm generate` command of the README's bash blocks on the embedded model (no --model), with
+    what `echo TEXT |` pipes into it."""
+    commands, piped = [], None
     for block in readme_blocks("bash"):
-        command = None
-        for token in shlex.split(block, comments=True):
+        command, tokens = None, iter(shlex.split(block, comments=True))
+        for token in tokens:
             if token == "flash-dllm":
                 command = []
-                commands.append(command)
+                commands.append((command, piped))
+                piped = None
+            elif token == "echo":  # echo TEXT | flash-dllm ...
+                command, piped = None, next(tokens) + "\n"
             elif token in ("&&", ";", "|"):
                 command = None
             elif command is not None:
                 command.append(token)
-    return [c for c in commands if c[0] == "generate" and not any("/models/" in arg for arg in c)]
+    return [(c, stdin) for c, stdin in commands if c[0] == "generate" and "--model" not in c]
 
 
-def test_readme_generate_commands_run_on_the_embedded_model(capsys):
+def test_readme_generate_commands_run_on_the_embedded_model(capsys, monkeypatch):
     commands = readme_generate_commands()
-    assert len(commands) == 3  # quick start, the trace example, the command-line section's first line
-    for command in commands:
+    assert [stdin is not None for _, stdin in commands] == [False, False, True, False]  # quick start, the trace
+    for command, stdin in commands:                           # example, the piped one, the command-line section's
+        if stdin is not None:
+            monkeypatch.setattr("sys.stdin", Piped(stdin.encode()))
         assert main(command) == 0, command
-        assert "--- request 0 (argument 1, " in capsys.readouterr().out
+        assert f"--- request 0 ({'argument 1' if stdin is None else 'stdin'}, " in capsys.readouterr().out
+
+
+class Piped(io.TextIOWrapper):
+    def __init__(self, data: bytes):
+        super().__init__(io.BytesIO(data), encoding="utf-8")
+
+    def isatty(self) -> bool:
+        return False
