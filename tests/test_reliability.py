@@ -282,7 +282,7 @@ def test_readme_python_example_runs_on_the_embedded_model(capsys):
     exec(example.replace(model, "LLM()"), {})
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 3 and all(line.split()[-1] in ("stop", "length") for line in lines)
-    assert [line.split("####")[1].split("'")[0].strip() for line in lines] == ["12", "12", "20"]  # task-format prompts
+    assert [line.split("####")[1].split("'")[0].strip() for line in lines] == ["12", "13", "20"]  # task-format prompts
 
 
 def readme_generate_commands() -> list[tuple[list[str], str | None]]:
