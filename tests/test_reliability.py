@@ -286,7 +286,8 @@ def test_readme_python_example_runs_on_the_embedded_model(capsys):
 
 
 def readme_generate_commands() -> list[tuple[list[str], str | None]]:
-    """Every `flash-dllm generate` command of the README's bash blocks on the embedded model (no --model), with
+    """Every `flash-dllm generate` command of the README's bash blocks on the embedded model (no --model), of
+    prompt arguments (no --file), with
     what `echo TEXT |` pipes into it."""
     commands, piped = [], None
     for block in readme_blocks("bash"):
@@ -302,13 +303,14 @@ def readme_generate_commands() -> list[tuple[list[str], str | None]]:
                 command = None
             elif command is not None:
                 command.append(token)
-    return [(c, stdin) for c, stdin in commands if c[0] == "generate" and "--model" not in c]
+    return [(c, stdin) for c, stdin in commands if c[0] == "generate" and "--model" not in c and "--file" not in c]
 
 
 def test_readme_generate_commands_run_on_the_embedded_model(capsys, monkeypatch):
     commands = readme_generate_commands()
-    assert [stdin is not None for _, stdin in commands] == [False, False, True, False]  # quick start, the trace
-    for command, stdin in commands:                           # example, the piped one, the command-line section's
+    # quick start, the trace example, the piped one, the command-line section's first line, the wheel's
+    assert [stdin is not None for _, stdin in commands] == [False, False, True, False, False]
+    for command, stdin in commands:
         if stdin is not None:
             monkeypatch.setattr("sys.stdin", Piped(stdin.encode()))
         assert main(command) == 0, command
