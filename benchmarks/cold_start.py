@@ -5,9 +5,10 @@ run filled (a later process). Random LLaDA-8B weights built on the device: no ch
     python benchmarks/cold_start.py --src src --baseline OLD_SRC --out DIR
 
 Every run is a fresh `python -m flash_dllm.cli` process with PYTHONPATH=SRC and TRITON_CACHE_DIR a directory of its
-own; --baseline runs the same against another source tree (the code before the change). Logs (stderr and stdout
-with seconds since the start) go to DIR; the markdown table is printed last. Runs that would start after --budget-s
-are skipped (the device lease).
+own; --baseline runs the same against another source tree (the code before the change). --phases first times one
+process phase by phase (imports, CUDA, weights, compile_kernels, the request), with an empty and then a warm cache.
+Logs (stderr and stdout with seconds since the start) go to DIR; the markdown table is printed last. Runs that would
+start after --budget-s are skipped (the device lease).
 """
 from __future__ import annotations
 
@@ -134,40 +135,68 @@ def serve(src: Path, cache: Path, log: Path) -> dict:
             "compiled": p.compiled()}
 
 
-def diagnose(cache: Path):
-    """In this process (with TRITON_CACHE_DIR=cache, empty): compile_kernels' phases for random LLaDA-8B, and which
-    variants Triton compiled where (the parallel sweep's pool, or later on the main thread: the dry run missed it)."""
-    shutil.rmtree(cache, ignore_errors=True)
+def phases(cache: Path):
+    """This process's time from its spawn to the first result, phase by phase (with TRITON_CACHE_DIR=cache), and
+    which variants Triton compiled where (the parallel sweep's pool, or later on the main thread: the dry run
+    missed them) and how many it loaded from the disk cache."""
+    spawned = float(os.environ["COLD_START_SPAWN"])
+    times = {"interpreter": time.time() - spawned}
     os.environ["TRITON_CACHE_DIR"] = str(cache)
+    mark = time.perf_counter()
+
+    def phase(name: str):
+        nonlocal mark
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        times[name], mark = time.perf_counter() - mark, time.perf_counter()
+
     import torch
+    phase("import torch")
     import triton
 
-    from flash_dllm import LLM
+    from flash_dllm import LLM, SamplingParams
     from flash_dllm.engine import warmup
-
+    import flash_dllm.cli  # noqa: F401  (what the command imports)
+    phase("import flash_dllm.cli")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.zeros(1, device=device)
+    phase("CUDA init")
+    import torch._dynamo  # noqa: F401  (building the model on the meta device imports it: its default inits)
+    phase("import torch._dynamo")
     compiles = []
     triton.knobs.compilation.listener = lambda src, cache_hit, **_: compiles.append(
         (src.name, threading.current_thread().name.startswith("triton-compile"), cache_hit))
-    llm = LLM(MODEL[1], device="cuda")
+    llm = LLM(MODEL[1], device=device)
+    phase("LLM (random weights)")
     parallel = warmup.compile_in_parallel
-    phases = {}
 
     def timed(passes):
         start = time.perf_counter()
         parallel(passes)
-        phases["parallel sweep"] = time.perf_counter() - start
-        phases["passes"] = len(passes)
+        times["  of which the parallel sweep"] = time.perf_counter() - start
 
     warmup.compile_in_parallel = timed
-    start = time.perf_counter()
     llm.runner.allocate_cache(with_hidden=False)
-    torch.cuda.synchronize()
-    phases["allocate_cache"] = time.perf_counter() - start
+    phase("allocate_cache (compile_kernels)")
+    llm.generate([PROMPT], SamplingParams(method="dual-cache", max_tokens=32, block_length=32), use_tqdm=False)
+    phase("generate (dual-cache, 32 tokens)")
+    times["total"] = time.time() - spawned
     kernels: dict[str, list[int]] = {}
     for name, in_pool, _ in compiles:
         kernels.setdefault(name, [0, 0])[0 if in_pool else 1] += 1
-    print(json.dumps({"phases": phases, "threads": warmup.COMPILE_THREADS, "variants in the pool / later": kernels,
-                      "cache hits": sum(hit for *_, hit in compiles)}), flush=True)
+    print(json.dumps({"seconds": {k: round(v, 2) for k, v in times.items()}, "threads": warmup.COMPILE_THREADS,
+                      "variants compiled in the pool / later": kernels,
+                      "loaded from the disk cache": sum(hit for *_, hit in compiles)}), flush=True)
+
+
+def slowest_imports(stderr: str, count: int = 12) -> list[str]:
+    """-X importtime's `count` slowest imports by cumulative time, up to two levels deep."""
+    rows = []
+    for line in stderr.splitlines():
+        parts = line.removeprefix("import time:").split("|")
+        if len(parts) == 3 and parts[1].strip().isdigit() and len(parts[2]) - len(parts[2].lstrip()) <= 3:
+            rows.append((int(parts[1]), parts[2].strip()))
+    return [f"{us / 1e6:.2f} s {name}" for us, name in sorted(rows, reverse=True)[:count]]
 
 
 def main():
@@ -177,18 +206,25 @@ def main():
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--budget-s", type=float, default=420)
     parser.add_argument("--model", default=MODEL[1], help="a checkpoint directory for a trial on the CPU")
-    parser.add_argument("--diagnose", action="store_true", help="first, compile_kernels' phases in a process")
-    parser.add_argument("--diagnose-here", type=Path, help=argparse.SUPPRESS)  # that process's Triton cache
+    parser.add_argument("--phases", action="store_true", help="first, a process's phases, empty and warm cache")
+    parser.add_argument("--phases-here", type=Path, help=argparse.SUPPRESS)  # that process's Triton cache
     args = parser.parse_args()
     MODEL[1] = args.model
-    if args.diagnose_here:
-        return diagnose(args.diagnose_here)
+    if args.phases_here:
+        return phases(args.phases_here)
     args.out.mkdir(parents=True, exist_ok=True)
     began = time.perf_counter()
-    if args.diagnose:
-        env = {**os.environ, "PYTHONPATH": python_path(args.src)}
-        subprocess.run([sys.executable, __file__, "--out", str(args.out), "--model", args.model, "--diagnose-here",
-                        "/tmp/cold_start_triton/diagnose"], env=env, timeout=240)
+    if args.phases:
+        cache = Path("/tmp/cold_start_triton/phases")
+        shutil.rmtree(cache, ignore_errors=True)
+        for state in ("empty", "warm"):
+            env = {**os.environ, "PYTHONPATH": python_path(args.src), "COLD_START_SPAWN": repr(time.time())}
+            done = subprocess.run([sys.executable, "-X", "importtime", __file__, "--out", str(args.out), "--model",
+                                   args.model, "--phases-here", str(cache)], env=env, timeout=240, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            (args.out / f"phases-{state}.err").write_text(done.stderr)
+            print(f"phases, {state} cache: {done.stdout.strip()}", flush=True)
+            print(f"  slowest imports: {'; '.join(slowest_imports(done.stderr))}", flush=True)
     trees = [("new", args.src)] + ([("old", args.baseline)] if args.baseline else [])
     rows = []
     for code, src in trees:

@@ -40,7 +40,7 @@ REQUEST_COUNTS = (1, 8)
 # programs, variants of the attention kernel of their own (kernels/flash_attention.py, SPLIT_MIN_KEYS).
 LONG_KV = 8192
 PASS_KINDS = ("write", "track", "verify")  # writes the cache; also sums the key mass; writes none (own keys)
-# About 100 variants: beyond this many threads the GIL-bound part (Triton's Python front end) dominates.
+# A thread per core: LLaDA-8B's passes launch 34 variants (H200), so more than 32 threads would idle.
 COMPILE_THREADS = min(32, os.cpu_count() or 1)
 # A warm disk cache serves every variant within this (H200 host); compiles that outlast it are reported.
 QUIET_S = 2.0
