@@ -74,12 +74,9 @@ class Process:
     def compiled(self) -> str:
         """The warm-up's compile report: '<variants> variants in <s> s' (from its bar), or '-' if it said nothing."""
         err = "\r".join(line for _, line in self.lines["stderr"])
-        variants = re.findall(r"compiling (\d+) kernel variants", err)
         bars = re.findall(r"(\d+)/(\d+) \[(\d+):(\d+)<", err)
-        if not variants:
+        if "kernel variants (first run" not in err or not bars:
             return "-"
-        if not bars:
-            return f"{variants[-1]} variants"
         _, total, minutes, seconds = bars[-1]
         return f"{total} variants in {int(minutes) * 60 + int(seconds)} s"
 

@@ -10,7 +10,7 @@ import torch
 
 from flash_dllm import LLM
 from flash_dllm.cache import KVCache
-from flash_dllm.engine.warmup import compile_kernels, report_progress
+from flash_dllm.engine.warmup import CompileProgress, compile_kernels
 
 
 def test_compile_kernels_runs_every_pass_kind_once_per_model(gqa_checkpoint):
@@ -37,15 +37,20 @@ def test_compile_kernels_runs_every_pass_kind_once_per_model(gqa_checkpoint):
 def test_compiles_that_outlast_a_warm_cache_are_reported_with_a_bar(capsys):
     release = threading.Event()
     with ThreadPoolExecutor(2) as pool:
-        loaded = pool.submit(lambda: None)
-        compiling = [pool.submit(release.wait) for _ in range(2)]
+        futures = [pool.submit(lambda: None), pool.submit(release.wait)]
+        progress = CompileProgress(futures, quiet_s=0.05)
+        time.sleep(0.1)
+        progress.update()  # between passes: the line, and a bar over the variants found so far
+        assert capsys.readouterr().err.startswith("flash-dllm: compiling the cached passes' kernel variants")
+        futures.append(pool.submit(release.wait))  # a later pass finds one more
         threading.Timer(0.2, release.set).start()
-        report_progress([loaded, *compiling], time.perf_counter(), quiet_s=0.05)
-    err = capsys.readouterr().err
-    assert err.startswith("flash-dllm: compiling 3 kernel variants (first run with this Triton cache") and "3/3" in err
+        progress.wait()
+    assert "3/3" in capsys.readouterr().err
 
 
 def test_variants_from_a_warm_cache_are_loaded_quietly(capsys):
     with ThreadPoolExecutor(2) as pool:
-        report_progress([pool.submit(lambda: None) for _ in range(3)], time.perf_counter(), quiet_s=1.0)
+        progress = CompileProgress([pool.submit(time.sleep, 0.05) for _ in range(3)], quiet_s=1.0)
+        progress.update()
+        progress.wait()
     assert capsys.readouterr().err == ""

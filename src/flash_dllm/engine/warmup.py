@@ -11,7 +11,8 @@ The compiles run in parallel. A first sweep runs the passes without launching an
 variant's compile goes to a thread pool once (triton.AsyncCompileMode, keyed as Triton keys its variants: the
 constants and the arguments' specialisations; Triton releases the GIL in its MLIR and LLVM passes and runs
 ptxas and the C compiler of its launchers as subprocesses). A second sweep then runs the passes, loading what was
-compiled. Triton's disk cache serves later processes.
+compiled. Triton's disk cache serves later processes. H200, LLaDA-8B: the 122 passes launch 34 variants, compiled
+in 6.4 s on 16 threads (one at a time through every layer: about 30 s).
 """
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ LONG_KV = 8192
 PASS_KINDS = ("write", "track", "verify")  # writes the cache; also sums the key mass; writes none (own keys)
 # A thread per core: LLaDA-8B's passes launch 34 variants (H200), so more than 32 threads would idle.
 COMPILE_THREADS = min(32, os.cpu_count() or 1)
-# A warm disk cache serves every variant within this (H200 host); compiles that outlast it are reported.
+# A warm disk cache serves every variant sooner (H200, LLaDA-8B: no report in a second process); compiles that
+# outlast it are reported.
 QUIET_S = 2.0
 
 # model -> the modes (batch-invariant or not) whose variants are compiled in this process
@@ -120,13 +122,14 @@ def compile_in_parallel(passes: list):
     import triton
     from triton.runtime.jit import JITFunction
 
-    start = time.perf_counter()
     # A failed compile is left to the second sweep, which raises its error where it belongs.
     with (_CompilePool(COMPILE_THREADS) as pool, triton.AsyncCompileMode(pool, ignore_errors=True),
           _compile_only(JITFunction)):
+        progress = CompileProgress(pool.futures)
         for run in passes:
             run()
-        report_progress(pool.futures, start)
+            progress.update()
+        progress.wait()
 
 
 class _CompilePool(ThreadPoolExecutor):
@@ -172,14 +175,30 @@ def _compile_only(jit_function):
         jit_function.run = run
 
 
-def report_progress(futures: list[Future], start: float, quiet_s: float = QUIET_S):
-    """Wait for the compiles. If they outlast quiet_s from `start` (a warm disk cache serves them sooner), say so on
-    stderr, with a bar that advances per variant."""
-    done, pending = wait(futures, timeout=max(0.0, start + quiet_s - time.perf_counter()))
-    if not pending:
-        return
-    print(f"flash-dllm: compiling {len(futures)} kernel variants (first run with this Triton cache; later "
-          f"processes load them from it)", file=sys.stderr, flush=True)
-    with tqdm(total=len(futures), initial=len(done), unit="variant", file=sys.stderr) as bar:
+class CompileProgress:
+    """The compiles of `futures` on stderr: nothing while a warm disk cache could still be serving them (quiet_s),
+    then a line and a bar that advances per variant (its total grows while the passes still find variants)."""
+
+    def __init__(self, futures: list[Future], quiet_s: float = QUIET_S):
+        self.futures, self.quiet_until, self.bar = futures, time.perf_counter() + quiet_s, None
+
+    def update(self):
+        done = sum(future.done() for future in self.futures)
+        if self.bar is None:
+            if done == len(self.futures) or time.perf_counter() < self.quiet_until:
+                return
+            print("flash-dllm: compiling the cached passes' kernel variants (first run with this Triton cache; later "
+                  "processes load them from it)", file=sys.stderr, flush=True)
+            self.bar = tqdm(total=len(self.futures), unit="variant", file=sys.stderr)
+        self.bar.total = len(self.futures)
+        self.bar.update(done - self.bar.n)
+
+    def wait(self):
+        """Until every compile is done."""
+        pending = [future for future in self.futures if not future.done()]
+        wait(pending, timeout=max(0.0, self.quiet_until - time.perf_counter()))
+        self.update()
         for _ in as_completed(pending):
-            bar.update()
+            self.update()
+        if self.bar is not None:
+            self.bar.close()
