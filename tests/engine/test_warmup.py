@@ -1,11 +1,16 @@
-"""The kernel warm-up runs each kind of cached pass once per row count, once per model and process."""
+"""The kernel warm-up runs each kind of cached pass once per row count, once per model and process, through the
+first layer; a compile that outlasts a warm disk cache is reported with a bar."""
 from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from flash_dllm import LLM
 from flash_dllm.cache import KVCache
-from flash_dllm.engine.warmup import compile_kernels
+from flash_dllm.engine.warmup import CompileProgress, compile_kernels
 
 
 def test_compile_kernels_runs_every_pass_kind_once_per_model(gqa_checkpoint):
@@ -16,12 +21,36 @@ def test_compile_kernels_runs_every_pass_kind_once_per_model(gqa_checkpoint):
     passes = []
     forward_cached = model.forward_cached
     model.forward_cached = lambda ids, positions, metadata, cache, key_mass=None, kernels=False: passes.append(
-        (metadata.num_seqs, metadata.max_q, metadata.max_kv, metadata.write_cache, key_mass is not None)) or \
-        forward_cached(ids, positions, metadata, cache, key_mass, kernels)
+        (metadata.num_seqs, metadata.max_q, metadata.max_kv, metadata.write_cache, key_mass is not None,
+         len(model.layers))) or forward_cached(ids, positions, metadata, cache, key_mass, kernels)
     compile_kernels(model, cache, row_counts=(1, 3, 32), request_counts=(1, 2))  # 32 rows do not fit: skipped
     kinds = [(True, False), (True, True), (False, False)]
-    # over as many keys as rows, and over the most the cache holds (LONG_KV is more): the split-key variants
-    assert passes == [(requests, rows, kv, *kind) for rows in (1, 3) for requests in (1, 2) for kv in (rows, 16)
+    # over as many keys as rows, and over the most the cache holds (LONG_KV is more): the split-key variants;
+    # through the first layer only (every layer launches the same variants), all of them there again after
+    assert passes == [(requests, rows, kv, *kind, 1) for rows in (1, 3) for requests in (1, 2) for kv in (rows, 16)
                       for kind in kinds]
+    assert len(model.layers) == cfg.num_layers > 1
     compile_kernels(model, cache, row_counts=(1, 3))
     assert len(passes) == 24
+
+
+def test_compiles_that_outlast_a_warm_cache_are_reported_with_a_bar(capsys):
+    release = threading.Event()
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(lambda: None), pool.submit(release.wait)]
+        progress = CompileProgress(futures, quiet_s=0.05)
+        time.sleep(0.1)
+        progress.update()  # between passes: the line, and a bar over the variants found so far
+        assert capsys.readouterr().err.startswith("flash-dllm: compiling the cached passes' kernel variants")
+        futures.append(pool.submit(release.wait))  # a later pass finds one more
+        threading.Timer(0.2, release.set).start()
+        progress.wait()
+    assert "3/3" in capsys.readouterr().err
+
+
+def test_variants_from_a_warm_cache_are_loaded_quietly(capsys):
+    with ThreadPoolExecutor(2) as pool:
+        progress = CompileProgress([pool.submit(time.sleep, 0.05) for _ in range(3)], quiet_s=1.0)
+        progress.update()
+        progress.wait()
+    assert capsys.readouterr().err == ""

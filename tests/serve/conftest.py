@@ -19,11 +19,14 @@ DEFAULTS = ServerDefaults(SamplingParams(method="parallel", max_tokens=32, block
 
 @contextlib.contextmanager
 def running_server(llm: LLM, **options):
+    """A server for `llm`, as soon as it listens (options: ServeConfig's fields, defaults, start_up)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
+    start_up = options.pop("start_up", None)
     config = ServeConfig(model_name="embedded", defaults=options.pop("defaults", DEFAULTS), **options)
-    server = uvicorn.Server(uvicorn.Config(build_app(llm, config), host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(build_app(llm, config, start_up), host="127.0.0.1", port=port,
+                                           log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -28,13 +29,14 @@ def test_serve_command_answers_and_stops_on_sigint():
                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         url = f"http://127.0.0.1:{port}"
-        for _ in range(300):
+        for _ in range(300):  # it listens while it starts: 503 "starting" until the warm-up request is done
             try:
                 if httpx.get(url + "/health").status_code == 200:
                     break
             except httpx.ConnectError:
-                assert process.poll() is None, process.stderr.read()
-                time.sleep(0.1)
+                pass
+            assert process.poll() is None, process.stderr.read()
+            time.sleep(0.1)
         models = httpx.get(url + "/v1/models").json()["data"]
         assert models[0]["id"] == "default"
         body = httpx.post(url + "/v1/chat/completions", timeout=60,
@@ -43,6 +45,25 @@ def test_serve_command_answers_and_stops_on_sigint():
     finally:
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=30) == 0
+
+
+def test_health_is_starting_until_the_start_up_is_done(start_server, llm):
+    """A server listens while it starts (KV cache, kernel compiles): /health is 503 "starting" and a completion is
+    503 with Retry-After, then /health is 200 "ok" and the completion runs."""
+    release = threading.Event()
+    with start_server(llm, start_up=release.wait) as url, httpx.Client(base_url=url, timeout=60) as client:
+        starting = client.get("/health")
+        assert starting.status_code == 503 and starting.json() == {"status": "starting"}
+        early = client.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 8})
+        assert early.status_code == 503 and early.headers["Retry-After"] == "5"
+        assert "starting" in early.json()["error"]["message"]
+        release.set()
+        for _ in range(100):
+            if (health := client.get("/health")).status_code == 200:
+                break
+            time.sleep(0.02)
+        assert health.json() == {"status": "ok"}
+        assert client.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 8}).status_code == 200
 
 
 def test_serve_on_a_taken_port_is_one_line(capsys):

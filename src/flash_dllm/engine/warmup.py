@@ -4,14 +4,30 @@ Triton compiles a kernel at its first launch with each new set of compile-time c
 choose their tile sizes by row count. A step whose row count enters a new size class (a batch that shrinks
 as its requests finish, a verify pass that grows) would otherwise compile in the middle of decoding, at
 0.1-1 s a variant: measured on the H200, the first sweep points of a method ran 5-20x slow. One pass per
-row-count class and pass kind compiles them all; Triton's disk cache then serves later processes.
+row-count class and pass kind reaches them all, through the first layer only: every layer launches the same
+variants (the same shapes, strides and alignments).
+
+The compiles run in parallel. A first sweep runs the passes without launching any Triton kernel: each new
+variant's compile goes to a thread pool once (triton.AsyncCompileMode, keyed as Triton keys its variants: the
+constants and the arguments' specialisations; Triton releases the GIL in its MLIR and LLVM passes and runs
+ptxas and the C compiler of its launchers as subprocesses). A second sweep then runs the passes, loading what was
+compiled. Triton's disk cache serves later processes. H200, LLaDA-8B: the 122 passes launch 34 variants, compiled
+in 6.4 s on 16 threads (one at a time through every layer: about 30 s).
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import itertools
+import os
+import sys
+import threading
+import time
 import weakref
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed, wait
 
 import torch
+from tqdm import tqdm
 
 from ..cache.attention_metadata import AttentionMetadata, FlatRows
 from ..cache.kv_cache import KVCache
@@ -24,6 +40,12 @@ REQUEST_COUNTS = (1, 8)
 # Each pass also runs over this many keys (at most the cache's rows): few requests then split their keys across
 # programs, variants of the attention kernel of their own (kernels/flash_attention.py, SPLIT_MIN_KEYS).
 LONG_KV = 8192
+PASS_KINDS = ("write", "track", "verify")  # writes the cache; also sums the key mass; writes none (own keys)
+# A thread per core: LLaDA-8B's passes launch 34 variants (H200), so more than 32 threads would idle.
+COMPILE_THREADS = min(32, os.cpu_count() or 1)
+# A warm disk cache serves every variant sooner (H200, LLaDA-8B: no report in a second process); compiles that
+# outlast it are reported.
+QUIET_S = 2.0
 
 # model -> the modes (batch-invariant or not) whose variants are compiled in this process
 _compiled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -35,29 +57,148 @@ def compile_kernels(model, cache: KVCache, row_counts: tuple[int, ...] = ROW_COU
     """Run the three kinds of cached pass (cache write; with tracked rows; verify, which writes no cache)
     through the kernels for each number of requests and rows per request, over as many keys as rows and over
     LONG_KV, on the first cache rows (shared by the requests). ordered: the batch-invariant mode's variants.
-    Then the greedy sampler once over the vocabulary.
+    Then the greedy sampler once over the vocabulary. On the GPU the variants are compiled in parallel first.
     Call before any sequence holds cache rows."""
     if ordered in _compiled.get(model, ()):
         return
+    passes = cached_passes(model, cache, row_counts, request_counts, ordered)
+    with first_layer_only(model):
+        if cache.k[0].is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            try:
+                compile_in_parallel(passes)
+            except Exception as error:  # e.g. a Triton without AsyncCompileMode: the sweep below compiles
+                print(f"flash-dllm: warning: parallel kernel compiles failed ({type(error).__name__}: {error}); "
+                      f"compiling one at a time", file=sys.stderr)
+        for run in passes:
+            run()
+    _compiled.setdefault(model, set()).add(ordered)
+
+
+def cached_passes(model, cache: KVCache, row_counts: tuple[int, ...], request_counts: tuple[int, ...],
+                  ordered: bool) -> list:
+    """compile_kernels' passes, each a call without arguments."""
+    device = cache.k[0].device
+    long_kv = min(cache.num_rows, LONG_KV)
+    passes = [functools.partial(cached_pass, model, cache, rows, requests, kv, kind, ordered)
+              for rows, requests in itertools.product(row_counts, request_counts) if rows <= cache.num_rows
+              for kv in sorted({rows, max(rows, long_kv)}) for kind in PASS_KINDS]
+    for dtype in {torch.float32, cache.k[0].dtype}:  # the sampler's: full passes' fp32 logits, cached passes' own
+        passes.append(functools.partial(greedy_tokens, torch.zeros(1, model.config.vocab_size, dtype=dtype,
+                                                                   device=device), mask_id=0))
+    return passes
+
+
+def cached_pass(model, cache: KVCache, rows: int, requests: int, kv: int, kind: str, ordered: bool):
+    """One cached pass of `kind` over `rows` query rows for each of `requests` requests, each reading `kv` keys of
+    the first cache rows."""
     device = cache.k[0].device
     zeros = lambda *shape, dtype=torch.float32: torch.zeros(*shape, dtype=dtype, device=device)
-    long_kv = min(cache.num_rows, LONG_KV)
-    for rows, requests in itertools.product(row_counts, request_counts):
-        if rows > cache.num_rows:
-            continue
-        n = rows * requests
-        ids = zeros(n, dtype=torch.long)
-        positions = torch.arange(rows, device=device).repeat(requests)
-        for kv in sorted({rows, max(rows, long_kv)}):
-            shape = lambda **options: AttentionMetadata.build(
-                FlatRows.from_counts([rows] * requests, device), zeros(requests, dtype=torch.long),
-                torch.full((requests,), kv, device=device), positions, kv, ordered=ordered, **options)
-            model.forward_cached(ids, positions, shape(), cache, kernels=True)
-            tracked = shape(track_rows=torch.ones(n, dtype=torch.bool, device=device))
-            model.forward_cached(ids, positions, tracked, cache, key_mass=zeros(requests, kv), kernels=True)
-            verify = shape(write_cache=False, hidden_keys=zeros(requests, kv, dtype=torch.bool),
-                           self_visibility=torch.ones(requests, rows, rows, dtype=torch.bool, device=device))
-            model.forward_cached(ids, positions, verify, cache, kernels=True)
-    for dtype in {torch.float32, cache.k[0].dtype}:  # the sampler's: full passes' fp32 logits, cached passes' own
-        greedy_tokens(zeros(1, model.config.vocab_size, dtype=dtype), mask_id=0)
-    _compiled.setdefault(model, set()).add(ordered)
+    n = rows * requests
+    ids, positions = zeros(n, dtype=torch.long), torch.arange(rows, device=device).repeat(requests)
+    options, key_mass = {}, None
+    if kind == "track":
+        options, key_mass = dict(track_rows=torch.ones(n, dtype=torch.bool, device=device)), zeros(requests, kv)
+    elif kind == "verify":
+        options = dict(write_cache=False, hidden_keys=zeros(requests, kv, dtype=torch.bool),
+                       self_visibility=torch.ones(requests, rows, rows, dtype=torch.bool, device=device))
+    metadata = AttentionMetadata.build(FlatRows.from_counts([rows] * requests, device),
+                                       zeros(requests, dtype=torch.long), torch.full((requests,), kv, device=device),
+                                       positions, kv, ordered=ordered, **options)
+    model.forward_cached(ids, positions, metadata, cache, key_mass=key_mass, kernels=True)
+
+
+@contextlib.contextmanager
+def first_layer_only(model):
+    layers = model.layers
+    model.layers = layers[:1]
+    try:
+        yield
+    finally:
+        model.layers = layers
+
+
+def compile_in_parallel(passes: list):
+    """Every variant the passes launch, compiled once each on COMPILE_THREADS threads; no kernel is launched."""
+    import triton
+    from triton.runtime.jit import JITFunction
+
+    # A failed compile is left to the second sweep, which raises its error where it belongs.
+    with (_CompilePool(COMPILE_THREADS) as pool, triton.AsyncCompileMode(pool, ignore_errors=True),
+          _compile_only(JITFunction)):
+        progress = CompileProgress(pool.futures)
+        for run in passes:
+            run()
+            progress.update()
+        progress.wait()
+
+
+class _CompilePool(ThreadPoolExecutor):
+    """A thread pool that keeps the futures of what it runs: one per variant (AsyncCompileMode submits each once).
+    It also builds each variant's launcher: Triton (3.6) compiles a C launcher per argument signature with the
+    host's C compiler at the variant's first launch, which would otherwise run one at a time on the main thread
+    (kept in the disk cache, where that launch finds it)."""
+
+    def __init__(self, threads: int):
+        super().__init__(threads, thread_name_prefix="triton-compile")
+        self.futures: list[Future] = []
+        self._signatures: set[tuple] = set()
+        self._lock = threading.Lock()
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        future = super().submit(self._compile, fn, *args, **kwargs)
+        self.futures.append(future)
+        return future
+
+    def _compile(self, fn, *args, **kwargs):
+        from triton.runtime import driver
+
+        kernel = fn(*args, **kwargs)
+        signature = tuple(kernel.src.signature.values())  # all a launcher's source depends on
+        with self._lock:
+            new = signature not in self._signatures
+            self._signatures.add(signature)
+        if new and hasattr(driver.active, "launcher_cls"):
+            driver.active.launcher_cls(kernel.src, kernel.metadata)
+        return kernel
+
+
+@contextlib.contextmanager
+def _compile_only(jit_function):
+    """Launches of Triton kernels only compile them (under AsyncCompileMode: hand the compile to the pool) and launch
+    nothing: their outputs stay unwritten, which no host decision of a pass reads. The engine's thread is the only
+    one launching kernels while the cache is allocated."""
+    run = jit_function.run
+    jit_function.run = lambda self, *args, grid, warmup, **kwargs: run(self, *args, grid=grid, warmup=True, **kwargs)
+    try:
+        yield
+    finally:
+        jit_function.run = run
+
+
+class CompileProgress:
+    """The compiles of `futures` on stderr: nothing while a warm disk cache could still be serving them (quiet_s),
+    then a line and a bar that advances per variant (its total grows while the passes still find variants)."""
+
+    def __init__(self, futures: list[Future], quiet_s: float = QUIET_S):
+        self.futures, self.quiet_until, self.bar = futures, time.perf_counter() + quiet_s, None
+
+    def update(self):
+        done = sum(future.done() for future in self.futures)
+        if self.bar is None:
+            if done == len(self.futures) or time.perf_counter() < self.quiet_until:
+                return
+            print("flash-dllm: compiling the cached passes' kernel variants (first run with this Triton cache; later "
+                  "processes load them from it)", file=sys.stderr, flush=True)
+            self.bar = tqdm(total=len(self.futures), unit="variant", file=sys.stderr)
+        self.bar.total = len(self.futures)
+        self.bar.update(done - self.bar.n)
+
+    def wait(self):
+        """Until every compile is done."""
+        pending = [future for future in self.futures if not future.done()]
+        wait(pending, timeout=max(0.0, self.quiet_until - time.perf_counter()))
+        self.update()
+        for _ in as_completed(pending):
+            self.update()
+        if self.bar is not None:
+            self.bar.close()

@@ -4,6 +4,9 @@ Every request is checked before it reaches the engine: malformed JSON, wrong typ
 unknown methods or fields and prompts that can never fit are a 400 naming the culprit; beyond the queue's
 bound a 429 with Retry-After. Accepted requests share one engine loop (serve/async_engine.py).
 
+The server listens while it starts: until the KV cache is allocated and the kernels are compiled (`start_up`,
+on the engine's thread), /health answers 503 {"status": "starting"} and completions a 503 with Retry-After.
+
 Streaming sends the output's final prefix as it grows: a dLLM decodes positions out of order, so text is
 sent once every position before it is decoded, in order, and the chunks concatenate to the non-streamed
 text. Stop strings end a request as soon as the final prefix contains one.
@@ -15,8 +18,10 @@ import contextlib
 import json
 import logging
 import socket
+import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from fastapi import APIRouter, Depends, FastAPI, Request as HTTPRequest
@@ -31,6 +36,7 @@ from .protocol import (ChatCompletionRequest, CommonRequest, CompletionRequest, 
 
 log = logging.getLogger("flash_dllm.serve")
 DISCONNECT_POLL_S = 0.5  # how often a waiting request asks whether its client is still there
+STARTING_RETRY_AFTER_S = 5  # a cold start compiles for 10-20 s (H200)
 
 
 @dataclass(frozen=True)
@@ -133,8 +139,9 @@ class Choice:
         return None
 
 
-def build_app(llm: LLM, config: ServeConfig) -> FastAPI:
-    engine = AsyncEngine(llm)
+def build_app(llm: LLM, config: ServeConfig, start_up: Callable[[], None] | None = None) -> FastAPI:
+    """start_up: run on the engine's thread before it takes requests (`start_up` below, for `serve`)."""
+    engine = AsyncEngine(llm, start_up)
 
     @contextlib.asynccontextmanager
     async def lifespan(_):
@@ -199,6 +206,9 @@ def build_app(llm: LLM, config: ServeConfig) -> FastAPI:
 
     async def start(requests: list[Request]):
         """Hand the requests to the engine; a rejected one (it can never fit) fails the call with a 400."""
+        if not engine.ready.is_set():
+            raise APIError(503, "the server is starting (allocating the KV cache, compiling kernels); retry later",
+                           "server_error", headers={"Retry-After": str(STARTING_RETRY_AFTER_S)})
         in_flight["requests"] += len(requests)
         try:
             outcomes = await engine.submit(requests)
@@ -366,6 +376,8 @@ def build_app(llm: LLM, config: ServeConfig) -> FastAPI:
     async def health():
         if not engine.is_alive():
             return error_response(503, "the engine loop has stopped", "server_error")
+        if not engine.ready.is_set():
+            return JSONResponse({"status": "starting"}, 503)
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -408,9 +420,12 @@ def prometheus_text(engine: AsyncEngine, throttled: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def warm_up(llm: LLM, defaults: ServerDefaults):
-    """One request with the server's defaults before serving: allocations, kernel compilation and CUDA graphs
-    happen here, not in the first client's latency."""
+def start_up(llm: LLM, defaults: ServerDefaults):
+    """What runs before the server reports ready: the KV cache, and with it the kernels' compiles; then one request
+    with the server's defaults (its CUDA graphs and first-call allocations), not in the first client's latency.
+    The cache's budget leaves room for Elastic-Cache's per-layer hidden states, which any request may ask for:
+    allocated later, beyond the budget, they could run the device out of memory while serving."""
+    llm.runner.allocate_cache(with_hidden=True)
     probe = llm.encode("Hello") if llm.tokenizer is not None else [1, 2, 3, 4]
     llm.generate([probe], defaults.params, use_tqdm=False)
 
@@ -428,11 +443,26 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
 
 def serve(llm: LLM, config: ServeConfig, sock: socket.socket):
+    """Serve on `sock` until interrupted; it listens from the start (/health: "starting", then "ok"). A failed
+    start-up stops the server and is raised here."""
     import uvicorn
 
-    warm_up(llm, config.defaults)
-    server = uvicorn.Server(uvicorn.Config(build_app(llm, config), log_level="info", timeout_graceful_shutdown=5))
+    failed: list[BaseException] = []
+
+    def start():
+        try:
+            start_up(llm, config.defaults)
+        except BaseException as error:
+            failed.append(error)
+            server.should_exit = True
+            raise
+        print("flash-dllm: ready", file=sys.stderr, flush=True)
+
+    app = build_app(llm, config, start)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5))
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn has shut down gracefully and re-raises the signal: a normal stop
         pass
+    if failed:
+        raise failed[0]

@@ -5,7 +5,8 @@ event loop hands it requests and aborts through an inbox; the thread admits them
 running batch, and posts each request's events back to its asyncio queue: `Accepted` or `Rejected` first,
 then `Prefix` (the output's final tokens so far, streaming requests only) and at last `Finished` or
 `Failed`. A request whose client goes away is aborted: its rows and cache range are freed at the next step,
-and no other request notices.
+and no other request notices. The thread first runs the server's start-up (the KV cache and the kernels'
+compiles, serve/api_server.py's `start_up`); `ready` is set once that is done.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..engine.sequence import Sequence
@@ -84,10 +86,12 @@ class Stats:
 
 
 class AsyncEngine:
-    def __init__(self, llm: LLM):
+    def __init__(self, llm: LLM, start_up: Callable[[], None] | None = None):
         self.llm = llm
         self.engine = llm.engine
         self.stats = Stats()
+        self._start_up = start_up
+        self.ready = threading.Event()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._stop = threading.Event()
@@ -105,7 +109,8 @@ class AsyncEngine:
     def shutdown(self):
         self._stop.set()
         self._wakeup.set()
-        self._thread.join()
+        if self.ready.is_set():  # a start-up still compiling is not waited for (the thread is a daemon)
+            self._thread.join()
 
     async def submit(self, requests: list[Request]) -> list[Accepted | Rejected | Failed]:
         """Queue requests for the engine thread (together: they join the same step); returns once each is
@@ -160,6 +165,9 @@ class AsyncEngine:
     def _loop(self):
         message = "the server is shutting down"
         try:
+            if self._start_up is not None:
+                self._start_up()
+            self.ready.set()
             self._serve()
         except BaseException as error:
             log.exception("the engine loop stopped")
