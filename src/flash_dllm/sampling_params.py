@@ -18,8 +18,8 @@ class SamplingParams:
 
     method: a registered decoding method (decoding/registry.py; README.md describes each).
     max_tokens: generation length G (the number of mask positions appended to the prompt).
-    block_length: semi-autoregressive block size; blocks are decoded left to right (a method without
-        blocks, elastic, ignores it).
+    block_length: semi-autoregressive block size; blocks are decoded left to right, the last one shorter where
+        max_tokens is not a multiple of it (a method without blocks, elastic or dream, ignores it).
     temperature: 0 is greedy; > 0 samples with Gumbel-max noise in float64, reproducible per `seed`.
     kv_routing: None (dense) or how a cached method reads the prompt's KV: "chunk", "centroid", "kmeans",
         "window" or "random" (cache/routing.py); only the prompt's regions that the step's queries may need are
@@ -61,8 +61,6 @@ class SamplingParams:
             object.__setattr__(self, name, value)
         check(max_tokens > 0, f"max_tokens must be positive, got {max_tokens}")
         check(block_length > 0, f"block_length must be positive, got {block_length}")
-        check(not decoding.uses_blocks or max_tokens % block_length == 0,
-               f"max_tokens ({max_tokens}) must be a multiple of block_length ({block_length})")
         check(temperature >= 0, f"temperature must be >= 0, got {temperature}")
         check(0 <= seed < 1 << 63, f"seed must be in [0, 2**63), got {seed}")
         check(kv_routing is None or kv_routing in POLICIES,
@@ -85,7 +83,8 @@ class SamplingParams:
 
     @property
     def num_blocks(self) -> int:
-        return self.max_tokens // self.block_length
+        """Blocks of the generated region, the last one shorter where max_tokens is not a multiple of block_length."""
+        return -(-self.max_tokens // self.block_length)
 
     def batch_key(self) -> tuple:
         """Requests with equal keys can share a batch; per-row values (temperature, seed, a threshold or

@@ -18,23 +18,39 @@ def llm(gqa_checkpoint):
 
 
 @pytest.mark.parametrize("method", ["prefix-cache", "dual-cache"])
-@pytest.mark.parametrize("rule", [dict(threshold=0.7), dict(factor=1.0)])
+@pytest.mark.parametrize("rule", [dict(threshold=0.7), dict(factor=1.0), dict(threshold=0.7, max_tokens=12)],
+                         ids=["threshold", "factor", "ragged"])  # ragged: blocks of 8 and 4
 def test_full_refresh_equals_no_cache(llm, method, rule):
     """Recomputing everything every step through the cache gives parallel's tokens exactly, with
     prompts of different lengths sharing batches and rows refilled."""
-    cached = llm.generate(PROMPTS, SamplingParams(method=method, max_tokens=32, block_length=8,
-                                                  refresh_interval=1, **rule))
-    plain = llm.generate(PROMPTS, SamplingParams(method="parallel", max_tokens=32, block_length=8, **rule))
+    common = {"max_tokens": 32, "block_length": 8, **rule}
+    cached = llm.generate(PROMPTS, SamplingParams(method=method, refresh_interval=1, **common))
+    plain = llm.generate(PROMPTS, SamplingParams(method="parallel", **common))
     for a, b in zip(cached, plain):
         assert a.token_ids == b.token_ids and a.steps == b.steps
 
 
 @pytest.mark.parametrize("method", ["prefix-cache", "dual-cache"])
-def test_batched_equals_alone(llm, method):
-    params = SamplingParams(method=method, max_tokens=32, block_length=8, threshold=0.7, temperature=0.7, seed=1)
+@pytest.mark.parametrize("max_tokens", [32, 20])
+def test_batched_equals_alone(llm, method, max_tokens):
+    params = SamplingParams(method=method, max_tokens=max_tokens, block_length=8, threshold=0.7, temperature=0.7,
+                            seed=1)
     batched = llm.generate(PROMPTS, params)
     for prompt, out in zip(PROMPTS, batched):
         assert out.token_ids == llm.generate([prompt], params)[0].token_ids
+
+
+@pytest.mark.parametrize("method", ["prefix-cache", "dual-cache"])
+def test_reuse_steps_of_a_short_last_block(llm, method):
+    """One token per step over blocks of 8, 8 and 4: each block's first step is a full pass, its later steps
+    recompute the block (dual cache) or the block and what follows it (prefix cache)."""
+    outs = llm.generate(PROMPTS, SamplingParams(method=method, max_tokens=20, block_length=8, threshold=1.0))
+    complete = [out for out in outs if out.steps == 20]  # the eos-biased model stops some early
+    assert complete
+    reused = [8, 8, 4] if method == "dual-cache" else [20, 12, 4]
+    for out in complete:
+        length = len(out.prompt_token_ids) + 20
+        assert out.query_rows == sum(length + (size - 1) * rows for size, rows in zip([8, 8, 4], reused))
 
 
 def test_small_cache_queues_requests_and_refuses_what_never_fits(gqa_checkpoint):

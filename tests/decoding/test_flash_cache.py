@@ -20,23 +20,25 @@ def llm(gqa_checkpoint):
     return eos_biased_llm(gqa_checkpoint, max_batch_size=3)
 
 
-@pytest.mark.parametrize("rule", [dict(threshold=0.7), dict(factor=1.0)])
+@pytest.mark.parametrize("rule", [dict(threshold=0.7), dict(factor=1.0), dict(threshold=0.7, max_tokens=12)],
+                         ids=["threshold", "factor", "ragged"])  # ragged: blocks of 8 and 4
 def test_budget_covering_everything_equals_no_cache(llm, rule):
-    full = SamplingParams(method="flash-cache", max_tokens=32, block_length=8, tracking_budget=200,
-                          mask_window=32, **rule)
-    plain = SamplingParams(method="parallel", max_tokens=32, block_length=8, **rule)
+    common = {"max_tokens": 32, "block_length": 8, **rule}
+    full = SamplingParams(method="flash-cache", tracking_budget=200, mask_window=32, **common)
+    plain = SamplingParams(method="parallel", **common)
     for a, b in zip(llm.generate(PROMPTS, full), llm.generate(PROMPTS, plain)):
         assert a.token_ids == b.token_ids and a.steps == b.steps
 
 
-def test_fixed_size_query_sets_and_batching(llm):
-    params = SamplingParams(method="flash-cache", max_tokens=32, block_length=8, threshold=0.7,
+@pytest.mark.parametrize("max_tokens", [32, 20])
+def test_fixed_size_query_sets_and_batching(llm, max_tokens):
+    params = SamplingParams(method="flash-cache", max_tokens=max_tokens, block_length=8, threshold=0.7,
                             tracking_budget=6, mask_window=8, temperature=0.5, seed=4)
     batched = llm.generate(PROMPTS, params)
     for prompt, out in zip(PROMPTS, batched):
         alone = llm.generate([prompt], params)[0]
         assert out.token_ids == alone.token_ids
-        length = len(out.prompt_token_ids) + 32
+        length = len(out.prompt_token_ids) + max_tokens
         assert out.query_rows == length + (out.steps - 1) * min(14, length)  # one full pass, then 6 + 8
 
 

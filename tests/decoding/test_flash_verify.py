@@ -72,9 +72,10 @@ def llm(gqa_checkpoint):
     return eos_biased_llm(gqa_checkpoint, max_batch_size=3)
 
 
-def test_rejecting_every_candidate_is_flash_cache(llm):
+@pytest.mark.parametrize("max_tokens", [32, 20])  # 20: blocks of 8, 8 and 4
+def test_rejecting_every_candidate_is_flash_cache(llm, max_tokens):
     """With gamma = 1 nothing is verified in; the accepted tokens are the draft's, as in Flash-Cache."""
-    common = dict(max_tokens=32, block_length=8, threshold=0.6, tracking_budget=10, mask_window=16)
+    common = dict(max_tokens=max_tokens, block_length=8, threshold=0.6, tracking_budget=10, mask_window=16)
     verify = llm.generate(PROMPTS, SamplingParams(method="flash-verify", verify_threshold=1.0, **common))
     cache = llm.generate(PROMPTS, SamplingParams(method="flash-cache", **common))
     for a, b in zip(verify, cache):
@@ -82,9 +83,9 @@ def test_rejecting_every_candidate_is_flash_cache(llm):
         assert b.steps <= a.nfe <= 2 * a.steps  # a verify pass only where candidates remained
 
 
-@pytest.mark.parametrize("acceptance", ["sequential", "cumprod"])
-def test_batched_equals_alone(llm, acceptance):
-    params = SamplingParams(method="flash-verify", max_tokens=32, block_length=8, threshold=0.9,
+@pytest.mark.parametrize("acceptance, max_tokens", [("sequential", 32), ("cumprod", 32), ("sequential", 20)])
+def test_batched_equals_alone(llm, acceptance, max_tokens):
+    params = SamplingParams(method="flash-verify", max_tokens=max_tokens, block_length=8, threshold=0.9,
                             verify_threshold=0.3, acceptance=acceptance, tracking_budget=10, mask_window=16)
     batched = llm.generate(PROMPTS, params)
     for prompt, out in zip(PROMPTS, batched):

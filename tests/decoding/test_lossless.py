@@ -19,10 +19,14 @@ def llm(checkpoint):
 
 
 @pytest.mark.parametrize("case", [dict(draft_length=1), dict(draft_length=4), dict(draft_length=8),
-                                  dict(draft_length=4, temperature=0.8, seed=3)],
+                                  dict(draft_length=4, temperature=0.8, seed=3),
+                                  dict(draft_length=4, max_tokens=20),              # blocks of 8, 8 and 4
+                                  dict(draft_length=8, max_tokens=6, temperature=0.8, seed=3)],  # one block of 6
                          ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
 def test_equals_reference_on_random_models(llm, case):
-    common = dict(max_tokens=32, block_length=8, temperature=case.pop("temperature", 0.0), seed=case.pop("seed", 0))
+    case = dict(case)  # the parameter's dict is shared by both checkpoints' runs
+    common = dict(max_tokens=case.pop("max_tokens", 32), block_length=8, temperature=case.pop("temperature", 0.0),
+                  seed=case.pop("seed", 0))
     reference = llm.generate(PROMPTS, SamplingParams(method="reference", **common))
     lossless = llm.generate(PROMPTS, SamplingParams(method="lossless", **common, **case))
     for a, b in zip(lossless, reference):

@@ -99,10 +99,9 @@ def test_batched_equals_alone(llm, method):
         assert out.token_ids == llm.generate([prompt], params)[0].token_ids
 
 
-@pytest.mark.parametrize("method", ["flash-cache", "flash-verify"])
-def test_a_short_budget_still_queries_every_masks_logit_source(llm, method, monkeypatch):
-    """No tracking budget: the window's left neighbours take rows ahead of the window, so every masked block
-    column's logits come from a row of the draft pass."""
+def check_logit_sources(llm: LLM, monkeypatch) -> list[int]:
+    """Make every cached pass assert that each masked block column's logits come from one of its rows; returns
+    the masked columns checked, pass by pass."""
     runner, checked = llm.engine.runner, []
     logits = runner.logits
 
@@ -113,9 +112,29 @@ def test_a_short_budget_still_queries_every_masks_logit_source(llm, method, monk
         return logits(hidden, flat_of_column, columns)
 
     monkeypatch.setattr(runner, "logits", checked_logits)
+    return checked
+
+
+@pytest.mark.parametrize("method", ["flash-cache", "flash-verify"])
+def test_a_short_budget_still_queries_every_masks_logit_source(llm, method, monkeypatch):
+    """No tracking budget: the window's left neighbours take rows ahead of the window, so every masked block
+    column's logits come from a row of the draft pass."""
+    checked = check_logit_sources(llm, monkeypatch)
     outs = llm.generate(PROMPTS, SamplingParams(method=method, max_tokens=32, block_length=8, threshold=0.9,
                                                 tracking_budget=0, mask_window=8))
     assert all(out.error is None for out in outs) and sum(checked) > 0
+
+
+@pytest.mark.parametrize("method, knobs", [("dual-cache", {}), ("flash-verify", dict(tracking_budget=0, mask_window=8))],
+                         ids=["dual-cache", "flash-verify"])
+def test_a_short_last_block_takes_every_masks_logits_from_the_pass(llm, method, knobs, monkeypatch):
+    """Blocks of 4, 4 and 2: the last block's reuse steps (its 2 columns and their left neighbour) and its
+    draft passes compute every masked column's logit source."""
+    checked = check_logit_sources(llm, monkeypatch)
+    outs = llm.generate(PROMPTS, SamplingParams(method=method, max_tokens=10, block_length=4, threshold=0.9,
+                                                **knobs))
+    assert all(out.error is None for out in outs) and sum(checked) > 0
+    assert any(out.finish_reason == "length" for out in outs)  # some decoded the last block to its end
 
 
 def test_predictor_rows_give_each_views_logits(tmp_path):

@@ -27,9 +27,10 @@ PROMPTS = [[5, 9, 13, 7], [11, 4, 6, 8, 12, 3, 10], [3, 3, 4]]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("max_tokens", [32, 20])  # 20: blocks of 8, 8 and 4
 @pytest.mark.parametrize("knobs", METHODS, ids=lambda k: k["method"])
-def test_graphs_give_the_eager_tokens(gqa_checkpoint, knobs):
-    params = SamplingParams(max_tokens=32, block_length=8, threshold=0.9, **knobs)
+def test_graphs_give_the_eager_tokens(gqa_checkpoint, knobs, max_tokens):
+    params = SamplingParams(max_tokens=max_tokens, block_length=8, threshold=0.9, **knobs)
     outputs = {}
     for graphs in (False, True):
         llm = LLM(gqa_checkpoint, device="cuda", dtype="float32", kernels=True, cuda_graphs=graphs)

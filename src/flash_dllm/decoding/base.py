@@ -102,7 +102,7 @@ class DecodingMethod:
     Settings: ClassVar[type[Settings]] = Settings
     uses_cache: ClassVar[bool] = False            # needs KV-cache rows per sequence
     caches_hidden_states: ClassVar[bool] = False  # the cache also keeps each layer's input hidden states
-    uses_blocks: ClassVar[bool] = True            # decodes block by block (max_tokens a multiple of block_length)
+    uses_blocks: ClassVar[bool] = True            # decodes block by block (decoding/block.py)
     published_block_length: ClassVar[int] = 32    # the block length of its paper's setting (bench step's default)
     # Its passes give each column j whose logits it needs the hidden state of column j - logit_shift, so it runs
     # on an architecture with shifted logits (Dream). The engine refuses the others on such a model.

@@ -14,13 +14,26 @@ from .sampling import sample_tokens
 if TYPE_CHECKING:
     from ..batch import DecodeBatch
     from ..engine.model_runner import ModelRunner
+    from ..sampling_params import SamplingParams
 
 
 def block_columns(batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's current block: offsets within the generated region and columns within the row, [B, n]."""
-    n = batch.params.block_length
-    offsets = batch.counters.block_index[:, None] * n + torch.arange(n, device=batch.tokens.device)
+    """Each row's current block: offsets within the generated region and columns within the row, [B, n] with
+    n = min(block_length, max_tokens). Where max_tokens is not a multiple of block_length the last block is
+    shorter: its n columns then end at the canvas end, the first ones the previous block's (all decoded, so no
+    rule unmasks them and they keep their tokens), which keeps every column in range and distinct (a scatter
+    over them has no duplicates)."""
+    params = batch.params
+    n = min(params.block_length, params.max_tokens)
+    start = (batch.counters.block_index * params.block_length).clamp(max=params.max_tokens - n)
+    offsets = start[:, None] + torch.arange(n, device=batch.tokens.device)
     return offsets, batch.gen_start + offsets
+
+
+def block_sizes(params: SamplingParams, block_index: torch.Tensor) -> torch.Tensor:
+    """The length of each block [B] of block_index [B]: block_length, but the last holds what is left of
+    max_tokens."""
+    return (params.max_tokens - block_index * params.block_length).clamp(max=params.block_length)
 
 
 class BlockMethod(DecodingMethod):

@@ -15,4 +15,4 @@ class DualCache(PrefixCache):
     name = "dual-cache"
 
     def reused_rows(self, row: RowState, block_start: int, block_length: int) -> int:
-        return block_length
+        return min(block_length, row.length - block_start)  # the last block may be shorter

@@ -80,8 +80,8 @@ def lossless_step(runner: ModelRunner, batch: DecodeBatch):
     # logits of each state's current and next block
     block = counters.block_index.clamp(max=num_blocks - 1)[row]
     offsets = block[:, None] * n + torch.arange(2 * n, device=device)
-    exists = offsets < params.max_tokens
-    offsets = torch.where(exists, offsets, offsets - n)                              # last block: no next
+    exists = offsets < params.max_tokens                # the last block has no next, and may end early
+    offsets = offsets.clamp(max=params.max_tokens - 1)  # in range; never a candidate
     columns = batch.gen_start + offsets
     # The decisions need a state's logits only through its tokens and confidences, so they are taken group by group
     # of states (5 states x 32 requests x 2 blocks x LLaDA's vocabulary in fp32: 5 GB); sampling keeps the logits for
@@ -142,6 +142,6 @@ def lossless_step(runner: ModelRunner, batch: DecodeBatch):
 
     counters.steps += num_accepted
     counters.nfe += 1
-    still_masked = tokens[:, batch.gen_start:].view(B, num_blocks, n) == mask_id
-    blocks = torch.arange(num_blocks, device=device)
-    counters.block_index = torch.where(still_masked.any(dim=2), blocks, num_blocks).amin(dim=1)
+    block_of_offset = torch.arange(params.max_tokens, device=device) // n
+    still_masked = tokens[:, batch.gen_start:] == mask_id
+    counters.block_index = torch.where(still_masked, block_of_offset, num_blocks).amin(dim=1)

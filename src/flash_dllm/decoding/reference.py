@@ -1,7 +1,9 @@
-"""LLaDA's reference sampler: per block, `steps / num_blocks` denoising steps, the linear schedule of tokens
-per step (block_length spread evenly, the first block_length % steps steps get one more), the top-k
-confidence (or, remasking="random", uniformly random) masked positions of the block; a full forward every
-step, twice with classifier-free guidance (the unconditional copy has its prompt replaced by masks)."""
+"""LLaDA's reference sampler: per block, its share of the `steps` denoising steps (`steps / num_blocks` each
+where max_tokens is a multiple of block_length; in general in proportion to the blocks' lengths, `block_steps`),
+the linear schedule of tokens per step (the block's length spread evenly, the first length % steps steps get one
+more), the top-k confidence (or, remasking="random", uniformly random) masked positions of the block; a full
+forward every step, twice with classifier-free guidance (the unconditional copy has its prompt replaced by
+masks)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .base import Settings, StepPlan, check, knob
-from .block import BlockMethod
+from .block import BlockMethod, block_sizes
 from .sampling import REMASK_STREAM, counter_uniform
 from .transfer import linear_schedule, transfer_top_k
 
@@ -22,8 +24,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ReferenceSettings(Settings):
-    steps: int | None = knob(None, "total denoising steps, a multiple of the number of blocks "
-                                   "(default: max_tokens, one token per step)")
+    steps: int | None = knob(None, "total denoising steps, at least one per block, shared by the blocks in "
+                                   "proportion to their lengths (default: max_tokens, one token per step)")
     remasking: str = knob("low_confidence", "which masked positions a step unmasks",
                           choices=("low_confidence", "random"))
     cfg_scale: float = knob(0.0, "classifier-free guidance scale (0: none)")
@@ -33,8 +35,16 @@ class ReferenceSettings(Settings):
         check(self.cfg_scale >= 0, f"cfg_scale must be >= 0, got {self.cfg_scale}")
 
 
-def steps_per_block(params: SamplingParams) -> int:
-    return (params.settings.steps or params.max_tokens) // params.num_blocks
+def block_steps(params: SamplingParams, block_index: torch.Tensor) -> torch.Tensor:
+    """The denoising steps of each block [B] of block_index [B]: `steps` in proportion to the blocks' lengths,
+    block b ending at step floor(steps * end_b / max_tokens) (end_b: its end offset in the generated region).
+    With steps >= num_blocks every block gets at least one (a full block's share is >= 1 before rounding, and
+    the last ends at `steps`, after the one before it); with max_tokens a multiple of block_length and steps a
+    multiple of num_blocks, steps / num_blocks each (LLaDA's rule); with steps == max_tokens, each block its
+    length (one token per step)."""
+    steps = params.settings.steps or params.max_tokens
+    end_step = lambda b: steps * (b * params.block_length).clamp(max=params.max_tokens) // params.max_tokens
+    return end_step(block_index + 1) - end_step(block_index)
 
 
 class Reference(BlockMethod):
@@ -45,9 +55,9 @@ class Reference(BlockMethod):
     def validate(self, params: SamplingParams):
         steps = params.settings.steps
         if steps is not None:
-            check(steps > 0 and steps % params.num_blocks == 0,
-                  f"steps ({steps}) must be a positive multiple of the number of blocks "
-                  f"({params.num_blocks} = max_tokens / block_length)")
+            check(steps >= params.num_blocks,
+                  f"steps ({steps}) must be at least the number of blocks "
+                  f"({params.num_blocks} = max_tokens / block_length, rounded up)")
 
     def passes_per_step(self, batch: DecodeBatch) -> int:
         return 2 if batch.params.settings.cfg_scale > 0 else 1
@@ -72,6 +82,6 @@ class Reference(BlockMethod):
         return confidence
 
     def unmask(self, batch: DecodeBatch, confidence: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
-        params = batch.params
-        k = linear_schedule(params.block_length, steps_per_block(params), batch.counters.step_in_block)
+        params, block = batch.params, batch.counters.block_index
+        k = linear_schedule(block_sizes(params, block), block_steps(params, block), batch.counters.step_in_block)
         return transfer_top_k(confidence, masked, k)

@@ -16,10 +16,10 @@ def confidence_ranks(confidence: torch.Tensor) -> torch.Tensor:
     return ranks.scatter_(-1, order, positions)
 
 
-def linear_schedule(block_length: int, steps_per_block: int, step_in_block: torch.Tensor) -> torch.Tensor:
-    """LLaDA's tokens per step: block_length spread evenly, the first (block_length % steps) steps get one more."""
-    base, remainder = divmod(block_length, steps_per_block)
-    return base + (step_in_block < remainder).long()
+def linear_schedule(block_length: torch.Tensor, steps: torch.Tensor, step_in_block: torch.Tensor) -> torch.Tensor:
+    """LLaDA's tokens per step [B]: each row's block length spread evenly over its block's steps, the first
+    (block_length % steps) steps get one more."""
+    return block_length // steps + (step_in_block < block_length % steps).long()
 
 
 def transfer_top_k(confidence: torch.Tensor, masked: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
