@@ -10,7 +10,7 @@ import torch
 from flash_dllm import SamplingParams
 from flash_dllm.config import PRESETS
 from flash_dllm.engine import model_runner
-from flash_dllm.engine.model_runner import ModelRunner, sequence_groups
+from flash_dllm.engine.model_runner import ModelRunner, request_groups, sequence_groups
 from flash_dllm.models import LLaDAModel, build_model, parse_config
 
 
@@ -104,3 +104,43 @@ def test_a_full_forward_in_groups_of_sequences_equals_one_forward(monkeypatch, b
     for one, groups in zip(whole, grouped):
         assert groups.shape == one.shape and not groups.isnan().any()
         torch.testing.assert_close(groups, one, rtol=1e-6, atol=1e-6)
+
+
+def test_request_groups_hold_whole_requests_within_the_row_budget(monkeypatch):
+    monkeypatch.setattr(model_runner, "FULL_PASS_ROWS", 20)
+    assert request_groups([8, 8, 8, 30, 1]) == [slice(0, 2), slice(2, 3), slice(3, 4), slice(4, 5)]
+    assert request_groups([5, 5]) == [slice(0, 2)]
+
+
+def test_a_cached_pass_in_parts_equals_one_pass(monkeypatch):
+    """A cached pass over more than FULL_PASS_ROWS rows runs in parts of whole requests on the PyTorch path: the same
+    hidden states and key mass as in one pass."""
+    model = build_model(parse_config(PRESETS["llada-tiny"]), "cpu", torch.float32)
+    torch.manual_seed(0)
+    for param in model.parameters():
+        param.data.normal_(0, 0.3)
+    runner = ModelRunner(model, kernels=False, kv_cache_bytes=64 * 4096)
+    runner.allocate_cache(with_hidden=False)
+    lengths, W = [12, 7, 10], 12
+    tokens = torch.randint(4, model.config.vocab_size, (3, W))
+    batch = batch_of(tokens, lengths, bases=[0, 32, 64])
+    columns = (W - torch.tensor(lengths))[:, None] + torch.arange(W)  # every position of each row
+    track = torch.rand(3, W) < 0.5
+    results = []
+    with torch.inference_mode():
+        for budget in (model_runner.FULL_PASS_ROWS, 12):  # one pass; then parts of 12, 7 and 10 rows
+            monkeypatch.setattr(model_runner, "FULL_PASS_ROWS", budget)
+            p = runner.prepare(batch, lengths, columns, track=track)
+            mass = torch.zeros(3, p.metadata.max_kv)
+            results.append((runner.run(p, mass), mass))
+    (whole, whole_mass), (parts, parts_mass) = results
+    torch.testing.assert_close(parts, whole, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(parts_mass, whole_mass, rtol=1e-6, atol=1e-6)
+    assert whole_mass.sum() > 0
+
+
+def test_a_kv_cache_larger_than_the_memory_is_refused_before_allocating():
+    model = build_model(parse_config(PRESETS["llada-tiny"]), "cpu", torch.float32)
+    with pytest.raises(ValueError, match=r"^kv_cache_bytes does not fit this machine: the KV cache needs "
+                                         r"1,125,899,906,842,624 bytes and cpu has [\d,]+ bytes \(MemAvailable\)$"):
+        ModelRunner(model, kernels=False, kv_cache_bytes=1 << 50)

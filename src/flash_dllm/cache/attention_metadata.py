@@ -2,6 +2,7 @@
 goes in the cache and which cache rows each request attends to."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -93,6 +94,17 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return self.kv_start.shape[0]
+
+    def requests(self, group: slice, rows: slice, max_q: int) -> AttentionMetadata:
+        """The metadata of the requests `group` alone, which own the flat query rows `rows` (at most max_q each):
+        one part of a pass run in parts. Not for a routed pass (its routing holds every request's state)."""
+        assert self.routing is None, "a routed pass runs whole"
+        part = lambda t, index: None if t is None else t[index]
+        return dataclasses.replace(
+            self, cu_seqlens_q=self.cu_seqlens_q[group.start:group.stop + 1] - rows.start,
+            kv_start=self.kv_start[group], kv_len=self.kv_len[group], slot_mapping=self.slot_mapping[rows],
+            max_q=max_q, track_rows=part(self.track_rows, rows), hidden_keys=part(self.hidden_keys, group),
+            self_visibility=part(self.self_visibility, group))
 
     @classmethod
     def build(cls, rows: FlatRows, kv_start: torch.Tensor, kv_len: torch.Tensor, positions: torch.Tensor,

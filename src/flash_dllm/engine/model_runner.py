@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from ..batch import DecodeBatch
 from ..cache.attention_metadata import AttentionMetadata, FlatRows, device_tensor
-from ..cache.kv_cache import KVCache
+from ..cache.kv_cache import KVCache, available_memory
 from ..cache.routing import PromptRouting
 from ..decoding.base import check, check_type
 from ..models.base import DiffusionLM
@@ -61,15 +61,28 @@ def sequence_groups(batch_size: int, width: int) -> list[slice]:
     return [slice(start, start + per_group) for start in range(0, batch_size, per_group)]
 
 
+def request_groups(counts: list[int]) -> list[slice]:
+    """The requests of a cached pass's parts, from their query rows: consecutive requests whose rows together fit
+    FULL_PASS_ROWS (at least one request a part)."""
+    groups, start, rows = [], 0, 0
+    for index, count in enumerate(counts):
+        if index > start and rows + count > FULL_PASS_ROWS:
+            groups.append(slice(start, index))
+            start, rows = index, 0
+        rows += count
+    return [*groups, slice(start, len(counts))]
+
+
 class ModelRunner:
     """kernels: the cached passes through the Triton kernels (default: on CUDA; TRITON_INTERPRET=1 runs them
     on the CPU); False uses their PyTorch references (same tokens). cuda_graphs: replay the cached passes
     whose shapes repeat from CUDA graphs (default: with the kernels on CUDA). kv_cache_bytes: the cache's
-    budget, at least one token's row (default: 40% of free GPU memory, or 1 GiB on the CPU); allocated at the
-    first request that needs it, when the kernels are also compiled. batch_invariant: every request's tokens the
-    same alone or in any batch: every sum in one order (kernels/attention.py's ordered sums on the PyTorch path,
-    which relies on the CPU's GEMMs giving a row the same result for any row count; on the kernel path, the
-    GPU's, the batch-invariant GEMM and one tiling of every kernel)."""
+    budget, at least one token's row and at most the device's free memory (default: 40% of free GPU memory, or on
+    the CPU 40% of MemAvailable up to 1 GiB); allocated at the first request that needs it, when the kernels are
+    also compiled. batch_invariant: every request's tokens the same alone or in any batch: every sum in one order
+    (kernels/attention.py's ordered sums on the PyTorch path, which relies on the CPU's GEMMs giving a row the
+    same result for any row count; on the kernel path, the GPU's, the batch-invariant GEMM and one tiling of
+    every kernel)."""
 
     def __init__(self, model: DiffusionLM, kernels: bool | None = None, cuda_graphs: bool | None = None,
                  kv_cache_bytes: int | None = None, batch_invariant: bool = False):
@@ -92,6 +105,11 @@ class ModelRunner:
             per_row, dtype = KVCache.bytes_per_row(model.config, self.dtype), str(self.dtype).removeprefix("torch.")
             check(kv_cache_bytes >= per_row, f"kv_cache_bytes must hold at least one token's row of the KV cache, "
                                              f"{per_row:,} bytes for this model in {dtype}, got {kv_cache_bytes:,}")
+            available = available_memory(self.device)
+            if available is not None:  # refused now, not at the first request's allocation (or the OOM killer)
+                free, what = available
+                check(kv_cache_bytes <= free, f"kv_cache_bytes does not fit this machine: the KV cache needs "
+                                              f"{kv_cache_bytes:,} bytes and {self.device} has {free:,} bytes ({what})")
         self.kv_cache_bytes = kv_cache_bytes
         self.cache: KVCache | None = None
         self.graphs: CudaGraphs | None = None
@@ -109,7 +127,10 @@ class ModelRunner:
             return self.cache
         budget = self.kv_cache_bytes
         if budget is None:
-            budget = int(0.4 * torch.cuda.mem_get_info(self.device)[0]) if self.device.type == "cuda" else 1 << 30
+            available = available_memory(self.device)
+            budget = int(0.4 * available[0]) if available is not None else 1 << 30
+            if self.device.type != "cuda":  # the CPU's memory also holds everything else: at most 1 GiB
+                budget = min(budget, 1 << 30)
         self.cache = KVCache.from_budget(self.model.config, budget, self.dtype, self.device, with_hidden=with_hidden)
         if self.kernels and self.device.type == "cuda":
             compile_kernels(self.model, self.cache, ordered=self.batch_invariant)
@@ -228,9 +249,24 @@ class ModelRunner:
 
     def run(self, p: CachedPass, key_mass: torch.Tensor | None = None) -> torch.Tensor:
         """The pass's final-normed hidden states [N, d]; with key_mass [G, max_kv], the attention mass of the
-        tracked rows is added to it."""
-        forward = self.graphs.run_pass if self.graphs is not None else self._forward_cached
-        return forward(p.input_ids, p.positions, p.metadata, key_mass)
+        tracked rows is added to it. On the PyTorch path (the CPU's) a pass over more than FULL_PASS_ROWS rows runs
+        in parts of whole requests (`request_groups`), each attending to its own cache ranges alone: its
+        activations would otherwise grow with the batch (ten 8,000-token first passes: several GB on the CPU)."""
+        if self.graphs is not None:
+            return self.graphs.run_pass(p.input_ids, p.positions, p.metadata, key_mass)
+        counts = p.rows.counts
+        if self.kernels or p.metadata.routing is not None or sum(counts) <= FULL_PASS_ROWS:
+            return self._forward_cached(p.input_ids, p.positions, p.metadata, key_mass)
+        offsets, hidden = [0, *itertools.accumulate(counts)], None
+        for group in request_groups(counts):
+            rows = slice(offsets[group.start], offsets[group.stop])
+            part = self._forward_cached(p.input_ids[rows], p.positions[rows],
+                                        p.metadata.requests(group, rows, max(counts[group])),
+                                        None if key_mass is None else key_mass[group])
+            if hidden is None:
+                hidden = part.new_empty(len(p.input_ids), part.shape[1])
+            hidden[rows] = part
+        return hidden
 
     def uses_graphs(self, rows: int) -> bool:
         """Whether a pass of `rows` query rows replays from CUDA graphs: graphs on, and not too large to gain."""

@@ -17,7 +17,7 @@ from ..cache.attention_metadata import AttentionMetadata
 from ..cache.kv_cache import KVCache
 from ..config import ModelConfig
 from ..cache.routing import CHUNK, count_in_full, route, update_kmeans
-from ..kernels.attention import ordered_attention, ragged_attention_ref
+from ..kernels.attention import ordered_attention_in_chunks, ragged_attention_ref
 from ..kernels.chunk_summaries import write_chunk_summaries
 from ..kernels.flash_attention import flash_attention
 from ..kernels.fused_qkv_rope import qkv_rope
@@ -129,7 +129,7 @@ class Attention(nn.Module):
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         if ordered:
             visible = torch.ones(B, 1, 1, L, dtype=torch.bool, device=x.device) if attn_mask is None else attn_mask
-            out = ordered_attention(q, k, v, visible)[0]
+            out = ordered_attention_in_chunks(q, k, v, visible)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # bidirectional
         return self.o_proj(out.transpose(1, 2).reshape(B, L, -1))
