@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Issue 37's device run, in one call, each step bounded in time and logged to $OUT:
+#   cold     benchmarks/cold_start.py: process start to the first cached result with an empty Triton cache (a fresh
+#            machine), then with the cache that run filled; the server's start to /health ok and its first answer;
+#   tests    the GPU tests of the CUDA graphs (ragged last blocks included), the kernel path, the warm-up and the
+#            host syncs;
+#   tokens   the embedded tasks' tokens of every cached method, fp32, BASE's recording against this tree's.
+#   BASE=.whl/base.tar (a `git archive` of the src/flash_dllm before the change, without assets/) WHEELS=.whl
+#       bash benchmarks/h200_first_hour.sh
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.txt, print its last lines
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1; echo "## $name (rc $?)"; tail -n "${TAIL:-4}" "$OUT/$name.txt"
+}
+if [ -n "${WHEELS:-}" ]; then  # the server's packages (the GPU image has no FastAPI/uvicorn)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      "$WHEELS"/*.whl && export PYTHONPATH=/tmp/site
+fi
+TAIL=12 step cold 170 python benchmarks/cold_start.py --src src --out /tmp/cold --budget-s 120
+PYTHONPATH=$PWD/src:${PYTHONPATH:-} step gpu_tests 170 python -m pytest -q -p no:cacheprovider \
+    tests/engine/test_cuda_graphs.py tests/models/test_kernel_path.py tests/engine/test_warmup.py \
+    tests/engine/test_host_syncs.py tests/kernels/test_greedy_tokens.py
+if [ -n "${BASE:-}" ]; then
+  base=/tmp/base_tree
+  rm -rf $base && mkdir -p $base && tar -xf "$BASE" -C $base
+  ln -s "$PWD/src/flash_dllm/assets" $base/src/flash_dllm/assets
+  variants=${VARIANTS:-dual-cache flash-cache flash-verify elastic}
+  PYTHONPATH=$base/src step tokens_base 100 python benchmarks/record_tokens.py --device cuda --items 30 \
+      --variants $variants --out /tmp/tokens_base.json
+  PYTHONPATH=$PWD/src step tokens_after 100 python benchmarks/record_tokens.py --device cuda --items 30 \
+      --variants $variants --out /tmp/tokens_after.json --compare /tmp/tokens_base.json
+fi
