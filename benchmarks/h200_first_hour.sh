@@ -17,8 +17,8 @@ if [ -n "${WHEELS:-}" ]; then  # the server's packages (the GPU image has no Fas
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
       "$WHEELS"/*.whl && export PYTHONPATH=/tmp/site
 fi
-TAIL=12 step cold 170 python benchmarks/cold_start.py --src src --out /tmp/cold --budget-s 120
-PYTHONPATH=$PWD/src:${PYTHONPATH:-} step gpu_tests 170 python -m pytest -q -p no:cacheprovider \
+TAIL=12 step cold 150 python benchmarks/cold_start.py --src src --out /tmp/cold --budget-s 100
+PYTHONPATH=$PWD/src:${PYTHONPATH:-} step gpu_tests 150 python -m pytest -q -p no:cacheprovider \
     tests/engine/test_cuda_graphs.py tests/models/test_kernel_path.py tests/engine/test_warmup.py \
     tests/engine/test_host_syncs.py tests/kernels/test_greedy_tokens.py
 if [ -n "${BASE:-}" ]; then
@@ -26,8 +26,8 @@ if [ -n "${BASE:-}" ]; then
   rm -rf $base && mkdir -p $base && tar -xf "$BASE" -C $base
   ln -s "$PWD/src/flash_dllm/assets" $base/src/flash_dllm/assets
   variants=${VARIANTS:-dual-cache flash-cache flash-verify elastic}
-  PYTHONPATH=$base/src step tokens_base 100 python benchmarks/record_tokens.py --device cuda --items 30 \
+  PYTHONPATH=$base/src step tokens_base 80 python benchmarks/record_tokens.py --device cuda --items 20 \
       --variants $variants --out /tmp/tokens_base.json
-  PYTHONPATH=$PWD/src step tokens_after 100 python benchmarks/record_tokens.py --device cuda --items 30 \
+  PYTHONPATH=$PWD/src step tokens_after 80 python benchmarks/record_tokens.py --device cuda --items 20 \
       --variants $variants --out /tmp/tokens_after.json --compare /tmp/tokens_base.json
 fi
