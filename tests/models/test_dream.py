@@ -200,7 +200,7 @@ def test_dream_7b_parameters_on_meta():
 
 
 def test_info_prints_dream_7b_parameters(capsys):
-    assert main(["info", "--model", "random:dream-7b"]) == 0
+    assert main(["info", "--model", "random:dream-7b", "--dtype", "bfloat16"]) == 0
     out = capsys.readouterr().out
     assert f"parameters: {DREAM_7B_PARAMETERS:,}" in out and "KV cache per token: 57,344 bytes" in out
     assert "architecture: Dream" in out
