@@ -125,22 +125,24 @@ def ragged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         if first == end or keys.shape[0] == 0:
             continue
         visible = _visible_keys(metadata, b, kv_len, end - first, key_visible, group)    # [1 or H, 1 or Q, K]
-        heads = lambda t: (t if group == 1 else t.repeat_interleave(group, dim=1)).transpose(0, 1)  # [H, K, D]
-        qb, kb, vb = q[first:end].transpose(0, 1), heads(keys), heads(values)
+        qb, kb, vb = (t.transpose(0, 1) for t in (q[first:end], keys, values))           # [H or Hkv, rows, D]
+        heads = lambda t: t if group == 1 else t.repeat_interleave(group, dim=0)           # one per query head
         if metadata.ordered:
             if visible is None:
                 visible = torch.ones(1, 1, keys.shape[0], dtype=torch.bool, device=q.device)
-            attended = ordered_attention_in_chunks(qb[None], kb[None], vb[None], visible[None], block_bytes)[0]
+            attended = ordered_attention_in_chunks(qb[None], heads(kb)[None], heads(vb)[None], visible[None],
+                                                   block_bytes)[0]
         else:
             # 4-D: on the CPU, PyTorch's flash kernel (3-D inputs take the math path, which holds the scores)
-            attended = F.scaled_dot_product_attention(qb[None], kb[None], vb[None],
+            attended = F.scaled_dot_product_attention(qb[None], kb[None], vb[None], enable_gqa=group > 1,
                                                       attn_mask=None if visible is None else visible[None])[0]
         out[first:end] = attended.transpose(0, 1)
         if key_mass is not None and num_tracked[0] > 0:
             tracked = torch.argsort(~metadata.track_rows[first:end], stable=True)[:num_tracked[0]]  # in row order
             if visible is not None and visible.shape[1] > 1:
                 visible = visible[:, tracked]
-            key_mass[b, :kv_len] += _tracked_mass(qb[:, tracked], kb, visible, kv_len, metadata.ordered, block_bytes)
+            key_mass[b, :kv_len] += _tracked_mass(qb[:, tracked], heads(kb), visible, kv_len, metadata.ordered,
+                                                  block_bytes)
     return out
 
 
