@@ -251,7 +251,8 @@ class ModelRunner:
         """The pass's final-normed hidden states [N, d]; with key_mass [G, max_kv], the attention mass of the
         tracked rows is added to it. On the PyTorch path (the CPU's) a pass over more than FULL_PASS_ROWS rows runs
         in parts of whole requests (`request_groups`), each attending to its own cache ranges alone: its
-        activations would otherwise grow with the batch (ten 8,000-token first passes: several GB on the CPU)."""
+        activations would otherwise grow with the batch (seven 8,000-token first passes of the embedded model in one
+        pass: 2.6 GB of max RSS against 1.9 in parts)."""
         if self.graphs is not None:
             return self.graphs.run_pass(p.input_ids, p.positions, p.metadata, key_mass)
         counts = p.rows.counts
