@@ -74,7 +74,7 @@ def add_model_args(parser: argparse.ArgumentParser, default_model: str | None = 
     parser.add_argument("--cuda-graphs", choices=["on", "off"], default=None,
                         help="replay repeating cached passes from CUDA graphs (default: on with the kernels on CUDA)")
     parser.add_argument("--kv-cache-bytes", type=int, default=None,
-                        help="KV cache budget of the cached methods (default: 40%% of free GPU memory, 1 GiB on CPU)")
+                        help="KV cache budget of the cached methods (default: 40%% of free GPU memory; on the CPU 40%% of available memory, at most 1 GiB)")
     parser.add_argument("--batch-invariant", action="store_true",
                         help="the same tokens alone or in any batch, in any dtype (on a GPU through the Triton "
                              "kernels; Elastic-Cache on the CPU only)")

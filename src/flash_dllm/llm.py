@@ -93,7 +93,8 @@ class LLM:
         for the embedded default model.
     chat_template: apply the tokenizer's chat template to string prompts (default: when it has one).
     kv_cache_bytes: memory for the KV cache of the cached methods, at least one token's row (default: 40% of
-        free GPU memory, or 1 GiB on the CPU); a request longer than the cache holds fails (alone).
+        free GPU memory; on the CPU 40% of available memory, at most 1 GiB); a request longer than the cache holds
+        fails (alone).
     kernels: run the cached methods' attention through the Triton kernels (fused QKV + RoPE + cache write,
         scheduled flash attention); default: on CUDA. False uses their PyTorch references (same tokens).
     cuda_graphs: replay the cached passes whose shapes repeat from CUDA graphs; default: with the kernels on
