@@ -17,22 +17,6 @@ from ..config import ModelConfig
 ALIGN = 32  # rows; routing.CHUNK divides it
 
 
-def available_memory(device: torch.device) -> tuple[int, str] | None:
-    """The bytes a KV cache on `device` could take now, and what they are: the free GPU memory on CUDA, MemAvailable
-    (/proc/meminfo) on the CPU; None where neither can be read."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0], "free GPU memory"
-    if device.type == "cpu":
-        try:
-            with open("/proc/meminfo") as meminfo:
-                for line in meminfo:
-                    if line.startswith("MemAvailable:"):
-                        return int(line.split()[1]) * 1024, "MemAvailable"
-        except OSError:
-            pass
-    return None
-
-
 class KVCache:
     """k[layer], v[layer]: [num_rows + 1, kv_heads, head_dim]: the requests' rows, then `scratch_row`, which no
     request owns and no pass reads: a query row whose K/V must not reach the cache writes there (the left

@@ -19,10 +19,11 @@ import torch.nn.functional as F
 
 from ..batch import DecodeBatch
 from ..cache.attention_metadata import AttentionMetadata, FlatRows, device_tensor
-from ..cache.kv_cache import KVCache, available_memory
+from ..cache.kv_cache import KVCache
 from ..cache.routing import PromptRouting
 from ..decoding.base import check, check_type
 from ..models.base import DiffusionLM
+from ..models.loader import available_memory
 from .cuda_graphs import MAX_GRAPH_ROWS, CudaGraphs
 from .warmup import compile_kernels
 
@@ -105,9 +106,9 @@ class ModelRunner:
             per_row, dtype = KVCache.bytes_per_row(model.config, self.dtype), str(self.dtype).removeprefix("torch.")
             check(kv_cache_bytes >= per_row, f"kv_cache_bytes must hold at least one token's row of the KV cache, "
                                              f"{per_row:,} bytes for this model in {dtype}, got {kv_cache_bytes:,}")
-            available = available_memory(self.device)
-            if available is not None:  # refused now, not at the first request's allocation (or the OOM killer)
-                free, what = available
+            free = available_memory(self.device)
+            if free is not None:  # refused now, not at the first request's allocation (or the OOM killer)
+                what = "free GPU memory" if self.device.type == "cuda" else "MemAvailable"
                 check(kv_cache_bytes <= free, f"kv_cache_bytes does not fit this machine: the KV cache needs "
                                               f"{kv_cache_bytes:,} bytes and {self.device} has {free:,} bytes ({what})")
         self.kv_cache_bytes = kv_cache_bytes
@@ -128,7 +129,7 @@ class ModelRunner:
         budget = self.kv_cache_bytes
         if budget is None:
             available = available_memory(self.device)
-            budget = int(0.4 * available[0]) if available is not None else 1 << 30
+            budget = int(0.4 * available) if available is not None else 1 << 30
             if self.device.type != "cuda":  # the CPU's memory also holds everything else: at most 1 GiB
                 budget = min(budget, 1 << 30)
         self.cache = KVCache.from_budget(self.model.config, budget, self.dtype, self.device, with_hidden=with_hidden)
