@@ -63,18 +63,26 @@ TEMPERATURE_HELP = "0: greedy; > 0: Gumbel-max sampling in float64"
 SEED_HELP = "the sampling noise's seed, per request"
 
 
-def add_model_args(parser: argparse.ArgumentParser, default_model: str | None = None):
+def add_model_choice(parser: argparse.ArgumentParser, default_model: str | None = None):
+    """--model, --device and --dtype: which model, where, in what."""
     parser.add_argument("--model", default=default_model,
                         help=f"checkpoint directory, Hugging Face repo id, or random:PRESET (default: "
                              f"{default_model or 'the embedded model'})")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    parser.add_argument("--dtype", default=None, help="bfloat16, float16 or float32 (default: bf16 on GPU, fp32 on CPU)")
+    parser.add_argument("--dtype", default=None,
+                        help="bfloat16, float16 or float32 (default: bf16 on GPU, fp32 on CPU)")
+
+
+def add_model_args(parser: argparse.ArgumentParser, default_model: str | None = None):
+    """The model (add_model_choice) and the engine's options."""
+    add_model_choice(parser, default_model)
     parser.add_argument("--kernels", choices=["on", "off"], default=None,
                         help="Triton kernels for the cached methods (default: on with CUDA); off = PyTorch reference")
     parser.add_argument("--cuda-graphs", choices=["on", "off"], default=None,
                         help="replay repeating cached passes from CUDA graphs (default: on with the kernels on CUDA)")
     parser.add_argument("--kv-cache-bytes", type=int, default=None,
-                        help="KV cache budget of the cached methods (default: 40%% of free GPU memory; on the CPU 40%% of available memory, at most 1 GiB)")
+                        help="KV cache budget of the cached methods (default: 40%% of free GPU memory; on the CPU "
+                             "40%% of available memory, at most 1 GiB)")
     parser.add_argument("--batch-invariant", action="store_true",
                         help="the same tokens alone or in any batch, in any dtype (on a GPU through the Triton "
                              "kernels; Elastic-Cache on the CPU only)")
@@ -358,6 +366,9 @@ def demo_variants() -> dict[str, dict]:
             for label, settings in (method.demo_variants or {method.name: {}}).items()}
 
 
+DEMO_ANSWERS_UP_TO = 3  # items per task up to which demo prints every answer
+
+
 def cmd_demo(args):
     from .markdown import markdown_table
     from .eval.embedded import run_task
@@ -397,9 +408,6 @@ def cmd_demo(args):
         header = ["method", *(f"{task} #{i} (expected {item.answer})" for task in args.tasks
                               for i, item in enumerate(items[task]))]
         print(markdown_table(header, [(label, *cells) for label, cells in answers.items()]))
-
-
-DEMO_ANSWERS_UP_TO = 3  # items per task up to which demo prints every answer
 
 
 EVAL_TASKS = ("gsm8k", "math500", "humaneval", "mbpp", "arith", "trace", "passkey", "multikey")
@@ -540,7 +548,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the embedded model's tasks")
     demo.add_argument("--methods", nargs="+", default=list(demo_variants()), choices=list(demo_variants()),
                       help="methods and named variants")
-    demo.add_argument("--prompt-length", type=at_least(1), default=256, help="retrieval tasks: the items of this length")
+    demo.add_argument("--prompt-length", type=at_least(1), default=256,
+                      help="retrieval tasks: the items of this length")
     demo.add_argument("--max-tokens", type=int, help="generation length (default: the task's, passkey and multikey 32, "
                       "arith and trace 128)")
     demo.add_argument("--block-length", type=int, default=32, help=BLOCK_LENGTH_HELP)
@@ -571,7 +580,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
     add_model_args(srv)
-    srv.add_argument("--host", default="127.0.0.1", help="address to bind; 0.0.0.0 serves every interface (then set --api-key)")
+    srv.add_argument("--host", default="127.0.0.1",
+                     help="address to bind; 0.0.0.0 serves every interface (then set --api-key)")
     srv.add_argument("--port", type=port, default=8000, help="port to bind (0: any free one)")
     srv.add_argument("--max-batch", type=at_least(1), default=32, help="most requests decoded together")
     srv.add_argument("--max-queue", type=at_least(0), default=256, help="requests waiting beyond the batch before 429")
@@ -582,11 +592,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     info = sub.add_parser("info", help="print a model's configuration, parameter count and KV bytes per token, "
                                        "in the dtype it would run in")
-    info.add_argument("--model", default=None, help="checkpoint directory, Hugging Face repo id, or random:PRESET "
-                                                     "(default: the embedded model)")
-    info.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    info.add_argument("--dtype", default=None, help="bfloat16, float16 or float32 (default: bf16 on GPU, fp32 on "
-                                                     "CPU)")
+    add_model_choice(info)
     info.set_defaults(func=cmd_info)
 
     bench = sub.add_parser("bench", help="benchmarks against the roofline floor")
@@ -615,8 +621,9 @@ def build_parser() -> argparse.ArgumentParser:
     step.add_argument("--block-length", type=int,
                       help="every method's block length (default: each method's published setting: "
                            + ", ".join(f"{m.name} {m.published_block_length}" for m in METHODS.values()) + ")")
-    step.add_argument("--warmup", type=at_least(0), default=8, help="untimed iterations first (the first pass, then the "
-                                                               "sightings and capture of the steady step's CUDA graph)")
+    step.add_argument("--warmup", type=at_least(0), default=8,
+                      help="untimed iterations first (the first pass, then the sightings and capture of the steady "
+                           "step's CUDA graph)")
     step.add_argument("--iters", type=at_least(1), default=64,
                       help="timed iterations; a multiple of the block lengths times each cache refresh at its rate")
     step.add_argument("--kv-routing", nargs="+", choices=["dense", *POLICIES],
@@ -644,7 +651,8 @@ def build_parser() -> argparse.ArgumentParser:
     bserve.add_argument("--duration", type=float, default=60.0, help="seconds of timed load")
     bserve.add_argument("--prompts", choices=["tasks", "random"], default="tasks",
                         help="tasks: the embedded tasks' items as chat; random: token ids (a model without tokenizer)")
-    bserve.add_argument("--num-prompts", type=at_least(1), default=64, help="distinct prompts (prompt k is sent with seed k)")
+    bserve.add_argument("--num-prompts", type=at_least(1), default=64,
+                        help="distinct prompts (prompt k is sent with seed k)")
     bserve.add_argument("--prompt-length", type=at_least(1), default=256, help="random prompts' length in tokens")
     bserve.add_argument("--method", help="request field (default: the server's)")
     bserve.add_argument("--max-tokens", type=int, help="request field (default: the server's)")

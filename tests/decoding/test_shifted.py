@@ -125,7 +125,8 @@ def test_a_short_budget_still_queries_every_masks_logit_source(llm, method, monk
     assert all(out.error is None for out in outs) and sum(checked) > 0
 
 
-@pytest.mark.parametrize("method, knobs", [("dual-cache", {}), ("flash-verify", dict(tracking_budget=0, mask_window=8))],
+@pytest.mark.parametrize("method, knobs", [("dual-cache", {}),
+                                           ("flash-verify", dict(tracking_budget=0, mask_window=8))],
                          ids=["dual-cache", "flash-verify"])
 def test_a_short_last_block_takes_every_masks_logits_from_the_pass(llm, method, knobs, monkeypatch):
     """Blocks of 4, 4 and 2: the last block's reuse steps (its 2 columns and their left neighbour) and its

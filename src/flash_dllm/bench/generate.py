@@ -1,9 +1,10 @@
 """`flash-dllm bench generate`: decoding end to end through `LLM.generate`, per method and batch size.
 
-One timed call per (method, batch) after an untimed warm-up call on the same prompts with fewer tokens. The
-prompts are random token ids of one length (`random`: random weights decode one token per step from them), or
-the embedded tasks' held-out word problems and programs as chat (`tasks`: a trained model answers them, where
-it would stop at once on random ids and leave no tokens to count) (it allocates the KV cache and compiles the kernels). The timed call captures
+One timed call per (method, batch) after an untimed warm-up call on the same prompts with fewer tokens (it
+allocates the KV cache and compiles the kernels). The prompts are random token ids of one length (`random`:
+random weights decode one token per step from them), or the embedded tasks' held-out word problems and programs
+as chat (`tasks`: a trained model answers them, where it would stop at once on random ids and leave no tokens to
+count). The timed call captures
 the CUDA graphs that the warm-up could not, as a server does for a new batch: the whole-step graphs (keyed by
 the batch) and Elastic-Cache's (keyed by the sequence's width too), each at its second sighting (Elastic-Cache's
 refresh at its fourth). Reported: wall time over engine iterations (admission, the first full pass, scheduling
@@ -20,9 +21,8 @@ import torch
 
 from ..decoding.registry import method_of
 from ..markdown import markdown_table
+from ..llm import Messages
 from ..sampling_params import SamplingParams
-
-Messages = list[dict]
 
 
 @dataclass(frozen=True)

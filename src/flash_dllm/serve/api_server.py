@@ -82,11 +82,11 @@ class TextStream:
 
     def grow(self, ids: list[int]) -> tuple[str, bool]:
         """The new text of a longer final prefix, and whether a stop string ended it."""
-        text, stopped = self.cut(self.llm.decode(ids) or "")
+        text, stopped = self.cut(self.llm.decode(ids))
         if not stopped:
             # Hold back what later tokens can still change: the last token and trailing spaces (a tokenizer's
             # clean-up merges " ," into ","), a half-decoded character, and a possible stop string's start.
-            text = (self.llm.decode(ids[:-1]) or "").rstrip("\ufffd").rstrip()
+            text = self.llm.decode(ids[:-1]).rstrip("\ufffd").rstrip()
             text = text[:max(len(text) - self.holdback, 0)]
         if not text.startswith(self.sent):
             return "", stopped
@@ -96,12 +96,12 @@ class TextStream:
     def tokens_within(self, ids: list[int]) -> list[int]:
         """The shortest prefix of ids whose text covers the text sent (a stop string cut the rest)."""
         for length in range(len(ids) + 1):
-            if len(self.llm.decode(ids[:length]) or "") >= len(self.sent):
+            if len(self.llm.decode(ids[:length])) >= len(self.sent):
                 return ids[:length]
         return ids
 
     def finish(self, ids: list[int]) -> tuple[str, bool]:
-        text, stopped = self.cut(self.llm.decode(ids) or "")
+        text, stopped = self.cut(self.llm.decode(ids))
         if not text.startswith(self.sent):
             log.warning("streamed text is not a prefix of the final text")
         delta, self.sent = text[len(self.sent):], text
@@ -350,7 +350,7 @@ def build_app(llm: LLM, config: ServeConfig, start_up: Callable[[], None] | None
                 raise APIError(400, (f"prompt {index}: " if len(body.prompts) > 1 else "") + str(error)) from None
         echo = None
         if body.echo:
-            echo = [p if isinstance(p, str) else (llm.decode(p) or "") for p in body.prompts]
+            echo = [p if isinstance(p, str) else llm.decode(p) for p in body.prompts]
         return await respond(http, body, prompts, chat=False, echo=echo)
 
     @api.post("/chat/completions")
