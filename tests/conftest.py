@@ -2,6 +2,7 @@
 index, tokenizer.json + tokenizer_config.json), written to a temporary directory."""
 from __future__ import annotations
 
+import io
 import json
 import os
 import sys
@@ -82,3 +83,19 @@ def bias_checkpoint(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session", params=["mha", "gqa"])
 def checkpoint(request, mha_checkpoint, gqa_checkpoint) -> Path:
     return {"mha": mha_checkpoint, "gqa": gqa_checkpoint}[request.param]
+
+
+class _Piped(io.TextIOWrapper):
+    """Standard input with `data` piped in (not a terminal)."""
+
+    def __init__(self, data: bytes):
+        super().__init__(io.BytesIO(data), encoding="utf-8")
+
+    def isatty(self) -> bool:
+        return False
+
+
+@pytest.fixture
+def pipe_stdin(monkeypatch):
+    """pipe_stdin(data): the process's standard input becomes `data` piped in."""
+    return lambda data: monkeypatch.setattr("sys.stdin", _Piped(data))

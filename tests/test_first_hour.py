@@ -2,7 +2,6 @@
 error naming the culprit, or the behaviour asked for, and the other requests of the call still finishing."""
 from __future__ import annotations
 
-import io
 import json
 
 import pytest
@@ -14,16 +13,6 @@ from flash_dllm.eval.harness import evaluate
 from flash_dllm.llm import RequestOutput
 
 SHORT = ["--device", "cpu", "--max-tokens", "8", "--block-length", "8", "--no-progress"]
-
-
-class Stdin(io.TextIOWrapper):
-    """Standard input piped in (not a terminal)."""
-
-    def __init__(self, data: bytes):
-        super().__init__(io.BytesIO(data), encoding="utf-8")
-
-    def isatty(self) -> bool:
-        return False
 
 
 def one_line(err: str, prefix: str) -> str:
@@ -104,15 +93,15 @@ def test_eval_summary_records_no_budget_without_routing(llm):
 
 # 5. `flash-dllm generate -`, `--file -`, and prompts piped in
 
-def test_dash_reads_one_prompt_from_stdin(monkeypatch, capsys):
-    monkeypatch.setattr("sys.stdin", Stdin(b"What does this program print?\na = 2\nprint(a)\n"))
+def test_dash_reads_one_prompt_from_stdin(pipe_stdin, capsys):
+    pipe_stdin(b"What does this program print?\na = 2\nprint(a)\n")
     assert main(["generate", "-", "--json", *SHORT]) == 0
     (record,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert record["prompt"] == "What does this program print?\na = 2\nprint(a)\n"
 
 
-def test_piped_prompt_without_arguments(monkeypatch, capsys):
-    monkeypatch.setattr("sys.stdin", Stdin(b"What is 3 + 4?"))
+def test_piped_prompt_without_arguments(pipe_stdin, capsys):
+    pipe_stdin(b"What is 3 + 4?")
     assert main(["generate", *SHORT]) == 0
     assert "--- request 0 (stdin, " in capsys.readouterr().out
 
@@ -120,8 +109,8 @@ def test_piped_prompt_without_arguments(monkeypatch, capsys):
 @pytest.mark.parametrize("data", [b"What is 3 + 4?\n\n   \n   \nWhat is 5 + 1?\n",
                                   b'{"prompt": "What is 3 + 4?"}\n{"prompt": "   "}\n{"prompt": "What is 5 + 1?"}\n'],
                          ids=["text", "jsonl"])
-def test_file_dash_reads_stdin_line_by_line(monkeypatch, capsys, data):
-    monkeypatch.setattr("sys.stdin", Stdin(data))
+def test_file_dash_reads_stdin_line_by_line(pipe_stdin, capsys, data):
+    pipe_stdin(data)
     jsonl = data.startswith(b"{")
     assert main(["generate", "--file", "-", "--json", *SHORT]) == (1 if jsonl else 0)
     captured = capsys.readouterr()
@@ -132,8 +121,8 @@ def test_file_dash_reads_stdin_line_by_line(monkeypatch, capsys, data):
                                                 "whitespace")
 
 
-def test_stdin_is_read_once(monkeypatch, capsys):
-    monkeypatch.setattr("sys.stdin", Stdin(b"x"))
+def test_stdin_is_read_once(pipe_stdin, capsys):
+    pipe_stdin(b"x")
     assert main(["generate", "-", "--file", "-", *SHORT]) == 2
     one_line(capsys.readouterr().err, "flash-dllm: error: standard input (-) can be read once")
 

@@ -3,7 +3,6 @@ prompt's index and argument or file:line, the setting and its range, the file an
 requests of the same call finish. Errors in the call itself (a setting, the model) stop it with one line."""
 from __future__ import annotations
 
-import io
 import json
 import os
 import re
@@ -306,20 +305,13 @@ def readme_generate_commands() -> list[tuple[list[str], str | None]]:
     return [(c, stdin) for c, stdin in commands if c[0] == "generate" and "--model" not in c and "--file" not in c]
 
 
-def test_readme_generate_commands_run_on_the_embedded_model(capsys, monkeypatch):
+def test_readme_generate_commands_run_on_the_embedded_model(capsys, pipe_stdin):
     commands = readme_generate_commands()
     # quick start, the trace example, the piped one, the command-line section's first line, the wheel's
     assert [stdin is not None for _, stdin in commands] == [False, False, True, False, False]
     for command, stdin in commands:
         if stdin is not None:
-            monkeypatch.setattr("sys.stdin", Piped(stdin.encode()))
+            pipe_stdin(stdin.encode())
         assert main(command) == 0, command
         assert f"--- request 0 ({'argument 1' if stdin is None else 'stdin'}, " in capsys.readouterr().out
 
-
-class Piped(io.TextIOWrapper):
-    def __init__(self, data: bytes):
-        super().__init__(io.BytesIO(data), encoding="utf-8")
-
-    def isatty(self) -> bool:
-        return False
