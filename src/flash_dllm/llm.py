@@ -16,6 +16,7 @@ from .engine.llm_engine import LLMEngine
 from .engine.model_runner import ModelRunner
 from .engine.sequence import Sequence
 from .models import load_model, random_model, resolve_checkpoint
+from .models.quantization import check_quantization
 from .sampling_params import SamplingParams
 from .tokenizer import load_tokenizer, special_tokens
 
@@ -101,22 +102,30 @@ class LLM:
         CUDA (the references cannot be captured).
     batch_invariant: a request decodes to the same tokens alone or in any batch, in any dtype (every reduction's
         order independent of the batch). On a GPU it needs the kernels (every GEMM through one that never splits
-        K).
+        K). Not with quantization.
+    quantization: "fp8": the decoder layers' projections with E4M3 weights (one scale per output channel,
+        quantised as the checkpoint loads) and E4M3 inputs (one scale per token, quantised by the kernels that
+        produce them); embeddings, norms and the LM head stay in `dtype`. None (default): `dtype` throughout.
     """
 
     def __init__(self, model: str | Path | None = None, device: str | None = None,
                  dtype: str | torch.dtype | None = None, max_batch_size: int = 32,
                  chat_template: bool | None = None, seed: int = 0, kv_cache_bytes: int | None = None,
-                 kernels: bool | None = None, cuda_graphs: bool | None = None, batch_invariant: bool = False):
+                 kernels: bool | None = None, cuda_graphs: bool | None = None, batch_invariant: bool = False,
+                 quantization: str | None = None):
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        self.quantization = check_quantization(quantization)
+        if batch_invariant and quantization:  # before the model loads
+            raise ValueError(f"batch_invariant=True is not supported with quantization={quantization!r}")
         spec = str(model) if model is not None else str(default_model_path())
         if spec.startswith(RANDOM_PREFIX):
             self.path = None
-            self.model = random_model(spec[len(RANDOM_PREFIX):], self.device, self.dtype, seed=seed)
+            self.model = random_model(spec[len(RANDOM_PREFIX):], self.device, self.dtype, seed=seed,
+                                      quantization=quantization)
         else:
             self.path = resolve_checkpoint(spec)
-            self.model = load_model(self.path, self.device, self.dtype)
+            self.model = load_model(self.path, self.device, self.dtype, quantization)
         self.config = self.model.config
         self.runner = ModelRunner(self.model, kernels=kernels, cuda_graphs=cuda_graphs, kv_cache_bytes=kv_cache_bytes,
                                   batch_invariant=batch_invariant)

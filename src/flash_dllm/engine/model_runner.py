@@ -24,6 +24,7 @@ from ..cache.routing import PromptRouting
 from ..decoding.base import check, check_type
 from ..models.base import DiffusionLM
 from ..models.loader import available_memory
+from ..models.quantization import Fp8Linear
 from .cuda_graphs import MAX_GRAPH_ROWS, CudaGraphs
 from .warmup import compile_kernels
 
@@ -96,6 +97,10 @@ class ModelRunner:
         if batch_invariant and on_cuda and not self.kernels:
             raise ValueError("batch_invariant=True on a GPU runs through the Triton kernels: with kernels=False "
                              "cuBLAS and PyTorch's reductions choose their order by the batch's shape")
+        self.quantized = any(isinstance(module, Fp8Linear) for module in model.modules())
+        if batch_invariant and self.quantized:
+            raise ValueError("batch_invariant=True is not supported with quantization='fp8': the FP8 GEMMs are "
+                             "cuBLAS's, whose sums follow the batch's shape")
         self.batch_invariant = batch_invariant
         self.invariant_gemms = batch_invariant and self.kernels  # the GEMMs through kernels/invariant_matmul.py
         if cuda_graphs and not (self.kernels and on_cuda):

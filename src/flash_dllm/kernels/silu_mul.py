@@ -1,12 +1,15 @@
 """SiLU(gate) * up over the packed gate|up projection (Triton), beside its PyTorch reference.
 
 In PyTorch that is two launches (silu, mul) and a [N, I] intermediate; the kernel reads gate_up once and
-writes the product once, with the reference's rounding.
+writes the product once, with the reference's rounding. With FP8 weights (silu_mul_fp8) it reads the gate|up GEMM's
+ScaledProduct and writes the product quantised for the down projection.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from .fp8 import FP8, FP8_MAX, MIN_AMAX, Fp8Rows, ScaledProduct, dequantize_ref, quantize_rows_ref
 
 try:
     import triton
@@ -21,6 +24,12 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     With 16-bit inputs PyTorch computes silu in fp32 and rounds it, then rounds the product again."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def silu_mul_fp8_ref(gate_up: ScaledProduct) -> Fp8Rows:
+    """The gate|up GEMM's ScaledProduct [M, 2 I] -> silu_mul_ref of its rows (in the values' dtype), quantised per
+    row."""
+    return quantize_rows_ref(silu_mul_ref(dequantize_ref(gate_up, gate_up.values.dtype)))
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -43,7 +52,56 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out.view(*gate_up.shape[:-1], inter)
 
 
+def silu_mul_fp8(gate_up: ScaledProduct) -> Fp8Rows:
+    """The Triton kernel of silu_mul_fp8_ref (same argument, same result), one launch: a program takes a row in
+    column blocks twice, for its amax and for its values (the second read from L2)."""
+    if triton is None:
+        raise RuntimeError("silu_mul_fp8 needs triton; use silu_mul_fp8_ref")
+    values, bias = gate_up.values, gate_up.bias
+    M, inter = values.shape[0], values.shape[1] // 2
+    assert values.shape[1] == 2 * inter and values.stride(-1) == 1
+    out = Fp8Rows(torch.empty(M, inter, dtype=FP8, device=values.device),
+                  torch.empty(M, dtype=torch.float32, device=values.device))
+    if M:
+        _silu_mul_fp8_kernel[(M,)](
+            values, gate_up.row_scale, gate_up.col_scale, bias if bias is not None else values, out.values,
+            out.scale, values.stride(0), out.values.stride(0), inter, MIN_AMAX, FP8_MAX, HAS_BIAS=bias is not None,
+            BLOCK_I=min(2048, triton.next_power_of_2(inter)), num_warps=4,
+            enable_fp_fusion=False)  # each step rounded as in the reference
+    return out
+
+
 if triton is not None:
+    from .fp8 import dequantized, quantized, row_scale_of
+
+    @triton.jit
+    def _silu_mul_of(p_values, p_col, p_bias, row_scale, o_i, m_i, inter, HAS_BIAS: tl.constexpr):
+        """silu(gate) * up at columns o_i of a gate|up ScaledProduct's row, rounded as silu_mul_fp8_ref."""
+        dtype = p_values.dtype.element_ty
+        b_gate = dequantized(p_values, p_col, p_bias, row_scale, o_i, m_i, HAS_BIAS).to(dtype).to(tl.float32)
+        b_up = dequantized(p_values + inter, p_col + inter, p_bias + inter, row_scale, o_i, m_i,
+                           HAS_BIAS).to(dtype).to(tl.float32)
+        b_silu = tl.div_rn(b_gate, 1.0 + tl.exp(-b_gate)).to(dtype).to(tl.float32)
+        return (b_silu * b_up).to(dtype).to(tl.float32)
+
+    @triton.jit
+    def _silu_mul_fp8_kernel(values_ptr, row_ptr, col_ptr, bias_ptr, out_ptr, scale_ptr, stride_vm, stride_om, inter,
+                             MIN_AMAX, FP8_MAX, HAS_BIAS: tl.constexpr, BLOCK_I: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        p_values, row_scale = values_ptr + row * stride_vm, tl.load(row_ptr + row)
+        b_amax = tl.zeros([BLOCK_I], dtype=tl.float32)
+        for start in range(0, inter, BLOCK_I):
+            o_i = start + tl.arange(0, BLOCK_I)
+            b_out = _silu_mul_of(p_values, col_ptr, bias_ptr, row_scale, o_i, o_i < inter, inter, HAS_BIAS)
+            b_amax = tl.maximum(b_amax, tl.abs(b_out))
+        scale = row_scale_of(tl.max(b_amax, 0), MIN_AMAX, FP8_MAX)
+        for start in range(0, inter, BLOCK_I):
+            o_i = start + tl.arange(0, BLOCK_I)
+            b_out = _silu_mul_of(p_values, col_ptr, bias_ptr, row_scale, o_i, o_i < inter, inter, HAS_BIAS)
+            tl.store(out_ptr + row * stride_om + o_i, quantized(b_out, scale).to(out_ptr.dtype.element_ty),
+                     mask=o_i < inter)
+        tl.store(scale_ptr + row, scale)
+
     @triton.jit(do_not_specialize=["N"])  # the row count varies by step: no recompilation per N % 16
     def _silu_mul_kernel(x_ptr, out_ptr, N, stride_xn, stride_on, inter,
                          BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr):

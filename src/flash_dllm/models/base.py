@@ -17,7 +17,7 @@ from torch import nn
 from ..cache.attention_metadata import AttentionMetadata
 from ..cache.kv_cache import KVCache
 from ..config import ModelConfig
-from .layers import DecoderLayer, PackedLinear, RMSNorm, Rotary, linear, rotary_cos_sin
+from .layers import DecoderLayer, RMSNorm, Rotary, linear, rotary_cos_sin
 
 
 def refuse_unsupported(cfg: dict, implemented: dict):
@@ -113,8 +113,8 @@ class DiffusionLM(nn.Module):
                 prefix, target = names["layer"].format(i=index) + ".", names[inner]
             else:
                 prefix, target = "", names[module_name]
-            module = self.get_submodule(module_name)
-            if isinstance(module, PackedLinear):
+            if isinstance(target, tuple):  # a packed projection (PackedLinear, or Fp8Linear with output_sizes)
+                module = self.get_submodule(module_name)
                 for shard, shard_name in enumerate(target):
                     layout[f"{prefix}{shard_name}.{kind}"] = (param_name, module.rows(shard))
             else:

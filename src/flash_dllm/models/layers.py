@@ -20,11 +20,14 @@ from ..cache.routing import CHUNK, count_in_full, route, update_kmeans
 from ..kernels.attention import ordered_attention_in_chunks, ragged_attention_ref
 from ..kernels.chunk_summaries import write_chunk_summaries
 from ..kernels.flash_attention import flash_attention
+from ..kernels.fp8 import Fp8Rows, ScaledProduct, add_dequantized, dequantize_ref, quantize_rows
 from ..kernels.fused_qkv_rope import qkv_rope
 from ..kernels.invariant_matmul import invariant_matmul
+from ..kernels.rope_cache_write import rope_cache_write
 from ..kernels.route_chunks import route_chunks
-from ..kernels.rms_norm import rms_norm, rms_norm_ref
-from ..kernels.silu_mul import silu_mul, silu_mul_ref
+from ..kernels.rms_norm import rms_norm, rms_norm_fp8, rms_norm_ref
+from ..kernels.silu_mul import silu_mul, silu_mul_fp8, silu_mul_ref
+from .quantization import Fp8Linear
 
 
 class RMSNorm(nn.Module):
@@ -50,8 +53,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, inv
     return out if bias is None else out + bias
 
 
-def project(module: nn.Linear, x: torch.Tensor, invariant: bool) -> torch.Tensor:
-    return linear(x, module.weight, module.bias, invariant)
+def project(module: nn.Linear | Fp8Linear, x: torch.Tensor, invariant: bool, rows: slice | None = None) -> torch.Tensor:
+    """module(x), or its output rows `rows` only; invariant: through the batch-invariant GEMM (not for FP8 weights,
+    which the runner refuses with batch_invariant)."""
+    if isinstance(module, Fp8Linear):
+        return module(x, rows)
+    rows = rows or slice(None)
+    return linear(x, module.weight[rows], None if module.bias is None else module.bias[rows], invariant)
 
 
 class PackedLinear(nn.Linear):
@@ -152,8 +160,7 @@ class Attention(nn.Module):
 
     def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         """The rotated queries [..., H, D] of normed hidden states x [..., d] (no cache access)."""
-        proj, rows = self.qkv_proj, self.qkv_proj.rows(0)
-        q = linear(x, proj.weight[rows], None if proj.bias is None else proj.bias[rows], invariant)
+        q = project(self.qkv_proj, x, invariant, self.qkv_proj.rows(0))
         return apply_rotary(q.unflatten(-1, (self.num_heads, self.head_dim)), cos, sin)
 
     def forward_cached(self, x: torch.Tensor, rope: Rotary, metadata: AttentionMetadata, cache: KVCache,
@@ -200,17 +207,30 @@ class Attention(nn.Module):
             return dict(routed=route_chunks(q, summaries, metadata, self.layer, kmeans))
         return dict(key_visible=route(q, cache.k[self.layer], metadata, self.layer, kmeans))
 
-    def _kernel_attention(self, x, rope, metadata, cache, key_mass) -> torch.Tensor:
+    def forward_cached_fp8(self, x: Fp8Rows, rope: Rotary, metadata: AttentionMetadata, cache: KVCache,
+                           key_mass: torch.Tensor | None) -> ScaledProduct:
+        """The kernel path with FP8 weights: x [N, d] normed rows already quantised -> the output projection's
+        ScaledProduct (the residual add dequantises it)."""
+        return self.o_proj.product(quantize_rows(self._kernel_attention(x, rope, metadata, cache, key_mass).flatten(1)))
+
+    def _kernel_attention(self, x: torch.Tensor | Fp8Rows, rope, metadata, cache, key_mass) -> torch.Tensor:
         k_cache, v_cache = cache.k[self.layer], cache.v[self.layer]
-        write_qkv = lambda slots, k_out, v_out: qkv_rope(
-            x, self.qkv_proj.weight, self.qkv_proj.bias, rope.positions, slots, k_out, v_out, self.num_heads,
-            self.rope_theta, invariant=metadata.ordered)
+        if isinstance(x, Fp8Rows):  # the FP8 GEMM, then RoPE and the cache write scaling its product
+            qkv = self.qkv_proj.product(x)
+            write_qkv = lambda slots, k_out, v_out: rope_cache_write(
+                dequantize_ref(qkv, qkv.values.dtype), rope.positions, slots, k_out, v_out, self.num_heads,
+                self.rope_theta)
+        else:
+            write_qkv = lambda slots, k_out, v_out: qkv_rope(
+                x, self.qkv_proj.weight, self.qkv_proj.bias, rope.positions, slots, k_out, v_out, self.num_heads,
+                self.rope_theta, invariant=metadata.ordered)
         if metadata.write_cache:
             q = write_qkv(metadata.slot_mapping, k_cache, v_cache)
             return flash_attention(q, k_cache, v_cache, metadata, key_mass, **self._routed(q, cache, metadata, True))
         # A pass that must not write the cache (verify): its own K/V go to fresh rows.
-        k_new, v_new = (x.new_empty(x.shape[0], self.num_kv_heads, self.head_dim) for _ in range(2))
-        q = write_qkv(torch.arange(x.shape[0], device=x.device), k_new, v_new)
+        N = x.values.shape[0] if isinstance(x, Fp8Rows) else x.shape[0]
+        k_new, v_new = (k_cache.new_empty(N, self.num_kv_heads, self.head_dim) for _ in range(2))
+        q = write_qkv(torch.arange(N, device=k_cache.device), k_new, v_new)
         return flash_attention(q, k_cache, v_cache, metadata, key_mass, k_new=k_new, v_new=v_new,
                                **self._routed(q, cache, metadata, True))
 
@@ -233,6 +253,10 @@ class GatedMLP(nn.Module):
         gated = (silu_mul if kernels else silu_mul_ref)(project(self.gate_up_proj, x, invariant))
         return project(self.down_proj, gated, invariant)
 
+    def forward_fp8(self, x: Fp8Rows) -> ScaledProduct:
+        """The kernel path with FP8 weights: normed rows already quantised -> the down projection's ScaledProduct."""
+        return self.down_proj.product(silu_mul_fp8(self.gate_up_proj.product(x)))
+
 
 class DecoderLayer(nn.Module):
     """x + attention(norm(x)), then x + mlp(norm(x))."""
@@ -254,10 +278,25 @@ class DecoderLayer(nn.Module):
                        key_mass: torch.Tensor | None, kernels: bool = False) -> torch.Tensor:
         """`kernels`: the norms, attention and MLP activation through the Triton kernels (and with
         metadata.ordered, the batch-invariant GEMMs)."""
+        if kernels and isinstance(self.mlp.down_proj, Fp8Linear):
+            return self._forward_cached_fp8(x, rope, metadata, cache, key_mass)
         invariant = metadata.ordered and kernels
         x = x + self.attention.forward_cached(self.attn_norm(x, kernels, invariant), rope, metadata, cache, key_mass,
                                               kernels)
         return self._mlp_residual(x, kernels, invariant)
+
+    def _forward_cached_fp8(self, x, rope, metadata, cache, key_mass) -> torch.Tensor:
+        """The kernel path with FP8 weights: each GEMM's input quantised by the kernel that writes it (the norms,
+        SiLU, a quantising pass over the attention's output) and its output scaled by the kernel that reads it (RoPE,
+        SiLU, the residual adds, the first fused with the MLP's norm)."""
+        norm = lambda module, rows, residual=None: rms_norm_fp8(rows, module.weight, module.bias, module.eps, residual)
+        attended = self.attention.forward_cached_fp8(norm(self.attn_norm, x)[1], rope, metadata, cache, key_mass)
+        parts = []
+        for start in range(0, x.shape[0], MLP_CHUNK_ROWS):  # as _mlp_residual
+            rows = slice(start, start + MLP_CHUNK_ROWS)
+            summed, normed = norm(self.mlp_norm, x[rows], attended.rows(rows))
+            parts.append(add_dequantized(summed, self.mlp.forward_fp8(normed)))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _mlp_residual(self, x: torch.Tensor, kernels: bool, invariant: bool) -> torch.Tensor:
         """x + mlp(norm(x)) over [..., d], at most MLP_CHUNK_ROWS rows at a time (a row's MLP reads no other row;

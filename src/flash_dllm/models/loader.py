@@ -19,6 +19,7 @@ from .base import DiffusionLM
 from .dream import DreamModel
 from .layers import RMSNorm
 from .llada import LLaDAModel
+from .quantization import Fp8Linear, check_quantization, quantize_linears
 
 # One entry per architecture: config.json's model_type -> its class (which parses that config.json).
 ARCHITECTURES: dict[str, type[DiffusionLM]] = {cls.model_type: cls for cls in (LLaDAModel, DreamModel)}
@@ -56,11 +57,14 @@ def _without_default_init():
 
 
 def build_model(cfg: ModelConfig, device: str | torch.device, dtype: torch.dtype,
-                name: str = "the model") -> DiffusionLM:
-    """An uninitialised model, allocated once, directly on `device` in `dtype`; refused (ValueError, naming the
-    model as `name`) when its weights need more memory than the device has available."""
+                name: str = "the model", quantization: str | None = None) -> DiffusionLM:
+    """An uninitialised model, allocated once, directly on `device` in `dtype` (its decoder layers' projections in
+    FP8 with quantization="fp8"); refused (ValueError, naming the model as `name`) when its weights need more memory
+    than the device has available."""
     with torch.device("meta"), _without_default_init():
         model = ARCHITECTURES[cfg.architecture](cfg).to(dtype=dtype)
+        if check_quantization(quantization) == "fp8":
+            quantize_linears(model)
     check_fits(model, torch.device(device), name)
     model = model.to_empty(device=device)
     return model.eval().requires_grad_(False)
@@ -102,17 +106,18 @@ def check_fits(model: DiffusionLM, device: torch.device, name: str):
                      f"{available / 1e9:.1f} GB available; {hint}")
 
 
-def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> DiffusionLM:
+def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+               quantization: str | None = None) -> DiffusionLM:
     """Load a checkpoint directory (config.json + safetensors) without remote code or downloads.
 
-    Tensors are read one at a time from each shard straight to `device` and cast into the
-    pre-allocated parameters, so host memory never holds a second copy of the model. Weights that are NaN
-    or inf once cast to `dtype` are refused, naming the tensor.
+    Tensors are read one at a time from each shard straight to `device` and cast (or with quantization="fp8",
+    quantised) into the pre-allocated parameters, so neither host nor device memory ever holds a second copy of
+    the model. Weights that are NaN or inf once cast to `dtype` are refused, naming the tensor.
     """
     path = Path(path)
     cfg = config_from_dir(path)
     files = weight_files(path)
-    model = build_model(cfg, device, dtype, name=str(path))
+    model = build_model(cfg, device, dtype, name=str(path), quantization=quantization)
     load_weights(model, files, device)
     return model
 
@@ -159,8 +164,14 @@ def load_weights(model: DiffusionLM, files: list[Path], device: str | torch.devi
                 tensor = f.get_tensor(name)
                 if not tensor.is_floating_point():
                     raise ValueError(f"{file.name}: tensor {name!r} has dtype {tensor.dtype}, expected floating point")
-                target.copy_(tensor)
-                nonfinite[name] = torch.isfinite(target).logical_not().sum()  # after the cast: overflow too
+                module_name, _, kind = param_name.rpartition(".")
+                module = model.get_submodule(module_name)
+                if isinstance(module, Fp8Linear) and kind == "weight":
+                    nonfinite[name] = torch.isfinite(tensor).logical_not().sum()
+                    module.set_weight(tensor, rows)
+                else:
+                    target.copy_(tensor)
+                    nonfinite[name] = torch.isfinite(target).logical_not().sum()  # after the cast: overflow too
                 loaded[name] = file
     missing = [name for name in layout if name not in loaded]
     if missing:
@@ -185,9 +196,10 @@ def random_config(spec: str) -> ModelConfig:
 
 
 def random_model(spec: str, device: str | torch.device, dtype: torch.dtype, seed: int = 0,
-                 std: float = 0.02) -> DiffusionLM:
-    """A model with random weights of `random_config(spec)`, drawn directly on `device`."""
-    model = build_model(random_config(spec), device, dtype, name=f"random:{spec}")
+                 std: float = 0.02, quantization: str | None = None) -> DiffusionLM:
+    """A model with random weights of `random_config(spec)`, drawn directly on `device` (FP8 weights are drawn in
+    `dtype` and quantised: the same model as without quantization, quantised)."""
+    model = build_model(random_config(spec), device, dtype, name=f"random:{spec}", quantization=quantization)
     generator = torch.Generator(device=device).manual_seed(seed)
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
@@ -195,6 +207,9 @@ def random_model(spec: str, device: str | torch.device, dtype: torch.dtype, seed
                 param.zero_()
             elif isinstance(module, RMSNorm):
                 param.fill_(1.0)
+            elif isinstance(module, Fp8Linear):
+                module.set_weight(torch.empty(param.shape, dtype=dtype, device=device).normal_(0.0, std,
+                                                                                               generator=generator))
             else:
                 param.normal_(0.0, std, generator=generator)
     return model
@@ -204,6 +219,9 @@ def save_checkpoint(model: DiffusionLM, path: str | Path, hf_config: dict, num_s
                     dtype: torch.dtype | None = None):
     """Write `model` as a Hugging Face checkpoint directory: config.json plus one model.safetensors or
     `num_shards` shards with an index, under the checkpoint's own tensor names."""
+    if any(isinstance(module, Fp8Linear) for module in model.modules()):
+        raise ValueError("save_checkpoint writes the model's dtype; a model with FP8 weights (quantization='fp8') "
+                         "is quantised as it loads: save the original checkpoint instead")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     params = dict(model.named_parameters())

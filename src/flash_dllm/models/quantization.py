@@ -1,0 +1,75 @@
+"""Weight quantisation (`quantization="fp8"`): the decoder layers' linear projections with E4M3 weights, one scale per
+output channel, quantised as the checkpoint's tensors are loaded (or drawn); their inputs are quantised per row
+dynamically. The embeddings, the norms and the LM head keep the model's dtype.
+
+On the kernel path the layers call `product` with rows that their producing kernels have already quantised
+(kernels/fp8.py); `forward` is the PyTorch reference that quantises its input itself.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..kernels.fp8 import FP8, Fp8Rows, ScaledProduct, dequantize_ref, fp8_product, quantize_rows_ref
+
+QUANTIZATIONS = ("fp8",)
+
+
+def check_quantization(quantization: str | None) -> str | None:
+    if quantization not in (None, *QUANTIZATIONS):
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)} or None, got {quantization!r}")
+    return quantization
+
+
+class Fp8Linear(nn.Module):
+    """y = x @ weight.T + bias with weight [out, in] E4M3 (the `weight` parameter, filled by `set_weight`) and
+    weight_scale [out] fp32 (a buffer: not a checkpoint tensor); y and bias in `dtype`, the model's. output_sizes:
+    the stacked checkpoint matrices of a packed projection (q|k|v, gate|up), as PackedLinear's."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, dtype: torch.dtype):
+        super().__init__()
+        self.in_features, self.out_features, self.output_sizes = in_features, sum(output_sizes), output_sizes
+        self.dtype = dtype
+        self.weight = nn.Parameter(torch.empty(self.out_features, in_features, dtype=FP8), requires_grad=False)
+        self.register_buffer("weight_scale", torch.ones(self.out_features, dtype=torch.float32))
+        self.bias = nn.Parameter(torch.empty(self.out_features, dtype=dtype), requires_grad=False) if bias else None
+
+    @classmethod
+    def like(cls, linear: nn.Linear) -> Fp8Linear:
+        return cls(linear.in_features, getattr(linear, "output_sizes", [linear.out_features]), linear.bias is not None,
+                   linear.weight.dtype)
+
+    def rows(self, shard: int) -> slice:
+        start = sum(self.output_sizes[:shard])
+        return slice(start, start + self.output_sizes[shard])
+
+    @torch.no_grad()
+    def set_weight(self, weight: torch.Tensor, rows: slice | None = None):
+        """Quantise `weight` (any float dtype, on this module's device) into output rows `rows` (default: all)."""
+        rows = rows or slice(None)
+        values, scale = quantize_rows_ref(weight)
+        self.weight[rows] = values
+        self.weight_scale[rows] = scale
+
+    def product(self, x: Fp8Rows, rows: slice | None = None) -> ScaledProduct:
+        """Quantised rows x [M, in] -> the ScaledProduct [M, out] (of output rows `rows` only, if given)."""
+        rows = rows or slice(None)
+        return fp8_product(x, self.weight[rows], self.weight_scale[rows],
+                           None if self.bias is None else self.bias[rows], self.dtype)
+
+    def forward(self, x: torch.Tensor, rows: slice | None = None) -> torch.Tensor:
+        """x [..., in] -> [..., out] (or output rows `rows` only) in the model's dtype: the PyTorch reference."""
+        product = self.product(quantize_rows_ref(x.reshape(-1, self.in_features)), rows)
+        return dequantize_ref(product, self.dtype).view(*x.shape[:-1], -1)
+
+
+def quantize_linears(model: nn.Module) -> nn.Module:
+    """Replace every nn.Linear of the model's decoder layers (not its LM head) by an Fp8Linear of the same shape, on
+    the model's device (meta before loading)."""
+    for layer in model.layers:
+        for name, module in list(layer.named_modules()):
+            if isinstance(module, nn.Linear):
+                parent, _, attribute = name.rpartition(".")
+                with torch.device(module.weight.device):
+                    setattr(layer.get_submodule(parent), attribute, Fp8Linear.like(module))
+    return model

@@ -1,0 +1,108 @@
+"""quantization="fp8": the decoder layers' projections loaded as E4M3 weights with per-channel scales, the model's
+logits close to the unquantised ones, every method running on it, the kernel path giving the PyTorch reference's
+tokens, and the combinations it does not support refused."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_dream import dream_checkpoint
+
+from flash_dllm import LLM, SamplingParams
+from flash_dllm.decoding.registry import METHODS
+from flash_dllm.kernels.fp8 import FP8, quantize_rows_ref
+from flash_dllm.models import load_model, random_model, save_checkpoint
+from flash_dllm.models.quantization import Fp8Linear
+
+PROMPTS = [[5, 9, 13, 7], [11, 4, 6, 8, 12, 3, 10]]
+
+
+@pytest.fixture(scope="module")
+def dream(tmp_path_factory):
+    return dream_checkpoint(tmp_path_factory.mktemp("dream_fp8"))
+
+
+@pytest.fixture(params=["gqa_checkpoint", "bias_checkpoint", "dream"])
+def any_checkpoint(request):
+    return request.getfixturevalue(request.param)
+
+
+def fp8_linears(model) -> dict[str, Fp8Linear]:
+    return {name: module for name, module in model.named_modules() if isinstance(module, Fp8Linear)}
+
+
+def test_loading_quantises_each_output_channel(any_checkpoint):
+    """Each projection's E4M3 values and scales are its checkpoint rows quantised (q|k|v and gate|up shard by
+    shard, which per-channel scales make the same as the stacked matrix); dequantised, within half an E4M3 step of
+    the float64 weights; everything else loads unchanged."""
+    full = load_model(any_checkpoint, "cpu", torch.float32)
+    quantised = load_model(any_checkpoint, "cpu", torch.float32, quantization="fp8")
+    linears = fp8_linears(quantised)
+    assert len(linears) == 4 * full.config.num_layers
+    params = dict(full.named_parameters())
+    for name, module in linears.items():
+        weight = params[f"{name}.weight"].detach()
+        values, scale = quantize_rows_ref(weight)
+        assert module.weight.dtype == FP8 and torch.equal(module.weight.view(torch.uint8), values.view(torch.uint8))
+        assert torch.equal(module.weight_scale, scale)
+        exact, dequantised = weight.double(), module.weight.double() * module.weight_scale.double()[:, None]
+        bound = torch.maximum(exact.abs() * 2 ** -4, module.weight_scale.double()[:, None] * 2 ** -10)
+        assert ((dequantised - exact).abs() <= bound * 1.0001).all()
+    for name, param in quantised.named_parameters():
+        if name.rpartition(".")[0] not in linears or name.endswith("bias"):
+            assert torch.equal(param, params[name]), name
+
+
+def test_random_weights_are_the_unquantised_draw_quantised():
+    full = random_model("llada-tiny", "cpu", torch.bfloat16, seed=3)
+    quantised = random_model("llada-tiny", "cpu", torch.bfloat16, seed=3, quantization="fp8")
+    params = dict(full.named_parameters())
+    for name, module in fp8_linears(quantised).items():
+        assert torch.equal(module.weight_scale, quantize_rows_ref(params[f"{name}.weight"]).scale)
+    weight_bytes = lambda model: sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    assert weight_bytes(quantised) < weight_bytes(full)
+
+
+@pytest.mark.parametrize("preset", ["llada-tiny", "dream-tiny"])
+def test_logits_stay_close_to_the_unquantised_model(preset):
+    """At a trained model's weight scale (std 0.02; at 0.3 the tiny random model is chaotic: 0.83) every row's
+    logits keep a cosine above 0.995 (a projection alone loses ~3.5%, E4M3's step on both operands)."""
+    ids = torch.tensor([PROMPTS[1] * 3])
+    logits = {q: random_model(preset, "cpu", torch.float32, seed=1, quantization=q)(ids)[0] for q in (None, "fp8")}
+    cosine = F.cosine_similarity(logits["fp8"].double(), logits[None].double(), dim=-1)
+    assert not logits["fp8"].isnan().any() and cosine.min() > 0.995
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_every_method_runs_with_fp8_weights(gqa_checkpoint, dream, method):
+    checkpoint = dream if method == "dream" else gqa_checkpoint
+    llm = LLM(checkpoint, device="cpu", dtype="float32", quantization="fp8", kernels=False)
+    outputs = llm.generate(PROMPTS, SamplingParams(method=method, max_tokens=8, block_length=8))
+    assert all(out.finish_reason in ("stop", "length") and out.nfe > 0 for out in outputs)
+
+
+@pytest.mark.parametrize("checkpoint, knobs", [
+    ("gqa_checkpoint", dict(method="dual-cache")),
+    ("gqa_checkpoint", dict(method="flash-verify", tracking_budget=4, mask_window=8)),
+    ("gqa_checkpoint", dict(method="elastic", mask_window=4)),
+    ("bias_checkpoint", dict(method="dual-cache")),
+    ("dream", dict(method="dual-cache"))], ids=lambda v: v["method"] if isinstance(v, dict) else v)
+def test_kernels_give_the_reference_tokens(request, checkpoint, knobs):
+    """The fused quantising kernels round as the references do, so the tokens are the same (fp32 activations: the
+    interpreter rounds to 16-bit types by truncation)."""
+    params = SamplingParams(max_tokens=12, block_length=8, threshold=0.5, **knobs)
+    outputs = {}
+    for kernels in (False, True):
+        llm = LLM(request.getfixturevalue(checkpoint), device="cpu", dtype="float32", quantization="fp8",
+                  kernels=kernels)
+        outputs[kernels] = [out.token_ids for out in llm.generate(PROMPTS, params)]
+    assert outputs[True] == outputs[False]
+
+
+def test_unsupported_combinations_are_refused(gqa_checkpoint, tmp_path):
+    with pytest.raises(ValueError, match="quantization must be one of fp8 or None, got 'int4'"):
+        LLM(gqa_checkpoint, device="cpu", quantization="int4")
+    with pytest.raises(ValueError, match="batch_invariant=True is not supported with quantization='fp8'"):
+        LLM(gqa_checkpoint, device="cpu", quantization="fp8", batch_invariant=True)
+    with pytest.raises(ValueError, match="save the original checkpoint"):
+        save_checkpoint(load_model(gqa_checkpoint, quantization="fp8"), tmp_path, {})
