@@ -10,6 +10,7 @@ from pathlib import Path
 
 from .decoding.registry import DEFAULT_METHOD, METHODS, method_of
 from .cache.routing import POLICIES
+from .models.quantization import QUANTIZATIONS
 from .sampling_params import DEFAULT_KV_BUDGET, SamplingParams, knobs
 from .tasks import RETRIEVAL_TASKS, TASKS
 
@@ -71,6 +72,9 @@ def add_model_choice(parser: argparse.ArgumentParser, default_model: str | None 
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     parser.add_argument("--dtype", default=None,
                         help="bfloat16, float16 or float32 (default: bf16 on GPU, fp32 on CPU)")
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
+                        help="fp8: the decoder layers' projections in E4M3 (weights per channel, inputs per token), "
+                             "quantised as the checkpoint loads (default: none, the dtype throughout)")
 
 
 def add_model_args(parser: argparse.ArgumentParser, default_model: str | None = None):
@@ -95,7 +99,7 @@ def llm_from_args(args, default_device: str | None = None, **options):
     on_off = lambda value: None if value is None else value == "on"
     return LLM(args.model, device=args.device or default_device, dtype=args.dtype, kernels=on_off(args.kernels),
                cuda_graphs=on_off(args.cuda_graphs), kv_cache_bytes=args.kv_cache_bytes,
-               batch_invariant=args.batch_invariant, **options)
+               batch_invariant=args.batch_invariant, quantization=args.quantization, **options)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser):
@@ -273,12 +277,15 @@ def cmd_info(args):
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     name = str(dtype).removeprefix("torch.")
-    num_params = sum(p.numel() for p in build_model(cfg, "meta", dtype).parameters())
+    model = build_model(cfg, "meta", dtype, quantization=args.quantization)
+    num_params = sum(p.numel() for p in model.parameters())
+    weight_bytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     print(f"model: {spec}")
     for key, value in vars(cfg).items():
         print(f"  {key}: {value}")
-    print(f"runs on: {device} in {name}")
-    print(f"parameters: {num_params:,} ({num_params * dtype.itemsize / 1e9:.2f} GB in {name})")
+    print(f"runs on: {device} in {name}" + (f", projections in {args.quantization}" if args.quantization else ""))
+    print(f"parameters: {num_params:,} ({weight_bytes / 1e9:.2f} GB in {name}"
+          + (f" with {args.quantization} projections and their scales)" if args.quantization else ")"))
     per_token = KVCache.bytes_per_row(cfg, dtype)
     print(f"KV cache per token: {per_token:,} bytes ({name}, all layers; {per_token * 1000 / 2**20:.1f} MiB per "
           f"1k tokens)")
@@ -304,17 +311,25 @@ def cmd_bench(args):
     import torch
 
     from .bench.forward import bench_forward, format_table
-    from .bench.kernels import bench_kernels, format_table as format_kernel_table
+    from .bench.kernels import (bench_fp8_gemms, bench_fp8_kernels, bench_kernels, format_gemm_table,
+                                format_table as format_kernel_table)
     from .bench.generate import bench_generate, format_table as format_generate_table
     from .bench.step import bench_step, format_table as format_step_table
 
     cases = list(bench_cases(args)) if args.bench in ("step", "generate") else []  # checked before the model loads
     llm = llm_from_args(args, max_batch_size=max(getattr(args, "batch_sizes", [32])))
     device_name = torch.cuda.get_device_name(llm.device) if llm.device.type == "cuda" else "cpu"
-    print(f"# bench {args.bench}: {args.model} on {device_name}, {llm.dtype}")
+    quantization = f", projections in {args.quantization}" if args.quantization else ""
+    print(f"# bench {args.bench}: {args.model} on {device_name}, {llm.dtype}{quantization}")
     if args.bench == "kernels":
         if llm.device.type != "cuda" and not llm.runner.kernels:
             raise ValueError("bench kernels runs the Triton kernels: it needs a CUDA device (or TRITON_INTERPRET=1)")
+        if args.quantization:
+            results = [r for batch in args.batch_sizes for r in bench_fp8_kernels(llm.model, batch * args.rows,
+                                                                                  args.warmup, args.iters)]
+            print(format_kernel_table(results))
+            print(format_gemm_table(bench_fp8_gemms(llm.model, args.gemm_rows, args.warmup, args.iters)))
+            return
         results = [r for batch in args.batch_sizes
                    for r in bench_kernels(llm.model, batch, args.rows, args.kv_length, args.warmup, args.iters)]
         print(format_kernel_table(results))
@@ -612,6 +627,8 @@ def build_parser() -> argparse.ArgumentParser:
     kernels.add_argument("--kv-length", type=at_least(1), default=768, help="cache positions per request")
     kernels.add_argument("--warmup", type=at_least(0), default=10, help="untimed calls per kernel first")
     kernels.add_argument("--iters", type=at_least(1), default=50, help="timed calls per kernel (median)")
+    kernels.add_argument("--gemm-rows", type=at_least(1), nargs="+", default=[32, 144, 1760, 4646],
+                         help="with --quantization: the FP8 GEMMs' row counts (one table row each)")
     step = bench_sub.add_parser("step", help="one decoding iteration per method and batch size (forced schedule)")
     add_model_args(step, default_model="random:llada-8b")
     step.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS), help="one row each")

@@ -1,6 +1,8 @@
 """`flash-dllm bench kernels`: each Triton kernel against the PyTorch path it replaces and against the vendor
 kernel for the same math (cuBLAS's GEMM, torch SDPA), at a model's dimensions, with its error against the
-PyTorch reference. Inputs are random; the projection uses the model's first QKV weight.
+PyTorch reference. Inputs are random; the projection uses the model's first QKV weight. With FP8 weights: the
+kernels that quantise and dequantise around the FP8 GEMMs, and each GEMM against cuBLAS's in the model's dtype and
+against its weight-read floor.
 """
 from __future__ import annotations
 
@@ -14,11 +16,13 @@ from ..cache.attention_metadata import AttentionMetadata, cu_seqlens
 from ..config import ModelConfig
 from ..kernels.attention import ragged_attention_ref
 from ..kernels.flash_attention import flash_attention
+from ..kernels.fp8 import Fp8Rows, add_dequantized, add_dequantized_ref, quantize_rows, quantize_rows_ref
 from ..kernels.fused_qkv_rope import fused_qkv_rope, fused_qkv_rope_ref, qkv_rope
-from ..kernels.rms_norm import rms_norm, rms_norm_ref
-from ..kernels.silu_mul import silu_mul, silu_mul_ref
+from ..kernels.rms_norm import rms_norm, rms_norm_fp8, rms_norm_fp8_ref, rms_norm_ref
+from ..kernels.silu_mul import silu_mul, silu_mul_fp8, silu_mul_fp8_ref, silu_mul_ref
 from ..markdown import markdown_table
 from .forward import time_ms
+from .roofline import HBM_BYTES_PER_S
 
 
 @dataclass(frozen=True)
@@ -124,4 +128,83 @@ def format_table(results: list[KernelResult]) -> str:
     rows = [(r.kernel, r.shape, f"{r.ms:.3f}", f"{r.reference_ms:.3f}", f"{r.reference_ms / r.ms:.2f}",
              r.vendor or "-", "-" if not r.vendor else f"{r.vendor_ms:.3f}",
              "-" if not r.vendor else f"{r.vendor_ms / r.ms:.2f}", f"{r.rel_err:.1e}") for r in results]
+    return markdown_table(header, rows)
+
+
+@torch.inference_mode()
+def bench_fp8_kernels(model, rows: int, warmup: int = 10, iters: int = 50, seed: int = 0) -> list[KernelResult]:
+    """The kernels that quantise FP8 GEMMs' inputs and scale their outputs, against their PyTorch references, at
+    `rows` rows of a model with quantization="fp8"."""
+    torch.manual_seed(seed)
+    cfg, layer = model.config, model.layers[0]
+    device, dtype = layer.attn_norm.weight.device, layer.attn_norm.weight.dtype
+    time = lambda fn: time_ms(fn, warmup, iters, device)
+    shape = f"rows={rows}"
+    x = torch.randn(rows, cfg.hidden_size, device=device, dtype=dtype)
+    normed = quantize_rows_ref(x)
+    o_out = layer.attention.o_proj.product(quantize_rows_ref(torch.randn(rows, cfg.num_heads * cfg.head_dim,
+                                                                         device=device, dtype=dtype)))
+    gate_up = layer.mlp.gate_up_proj.product(normed)
+    norm = layer.mlp_norm
+    cases = [
+        ("quantize_rows (attention output)", lambda: quantize_rows(x), lambda: quantize_rows_ref(x)),
+        ("rms_norm_fp8", lambda: rms_norm_fp8(x, norm.weight, norm.bias, norm.eps),
+         lambda: rms_norm_fp8_ref(x, norm.weight, norm.bias, norm.eps)),
+        ("rms_norm_fp8 + residual", lambda: rms_norm_fp8(x, norm.weight, norm.bias, norm.eps, o_out),
+         lambda: rms_norm_fp8_ref(x, norm.weight, norm.bias, norm.eps, o_out)),
+        ("silu_mul_fp8", lambda: silu_mul_fp8(gate_up), lambda: silu_mul_fp8_ref(gate_up)),
+        ("add_dequantized", lambda: add_dequantized(x, o_out), lambda: add_dequantized_ref(x, o_out)),
+    ]
+    results = []
+    for name, kernel, reference in cases:
+        last = lambda out: out[-1] if isinstance(out, tuple) and not isinstance(out, Fp8Rows) else out
+        as_values = lambda out: (out.values.float() * out.scale[:, None] if isinstance(out, Fp8Rows) else out)
+        err = rel_err(as_values(last(kernel())), as_values(last(reference())))
+        results.append(KernelResult(name, shape, time(kernel), time(reference), "", float("nan"), err))
+    return results
+
+
+@dataclass(frozen=True)
+class GemmResult:
+    projection: str
+    rows: int
+    bf16_ms: float        # cuBLAS, the model's dtype
+    fp8_ms: float         # the engine's FP8 GEMM: cuBLAS with unit scales (the reading kernel applies them)
+    fp8_rowwise_ms: float  # cuBLAS with row-wise scales, for comparison
+    floor_ms: float       # the FP8 weight read alone at HBM_BYTES_PER_S
+
+
+@torch.inference_mode()
+def bench_fp8_gemms(model, row_counts: list[int], warmup: int = 10, iters: int = 50) -> list[GemmResult]:
+    """Each FP8 projection of the first layer at each row count against cuBLAS's GEMM on the same weights in the
+    model's dtype, and against the weight-read floor."""
+    layer = model.layers[0]
+    device, dtype = layer.attn_norm.weight.device, layer.attn_norm.weight.dtype
+    time = lambda fn: time_ms(fn, warmup, iters, device)
+    results = []
+    for rows in row_counts:
+        for name, proj in (("qkv", layer.attention.qkv_proj), ("o", layer.attention.o_proj),
+                           ("gate_up", layer.mlp.gate_up_proj), ("down", layer.mlp.down_proj)):
+            x = quantize_rows_ref(torch.randn(rows, proj.in_features, device=device, dtype=dtype))
+            weight = (proj.weight.float() * proj.weight_scale[:, None]).to(dtype)
+            dense = x.values.to(dtype)
+            row_scale, col_scale = x.scale[:, None].contiguous(), proj.weight_scale[None, :].contiguous()
+            rowwise = lambda: torch._scaled_mm(x.values, proj.weight.t(), row_scale, col_scale, out_dtype=dtype)
+            results.append(GemmResult(name, rows, time(lambda: F.linear(dense, weight)), time(lambda: proj.product(x)),
+                                      time(rowwise), proj.weight.numel() / HBM_BYTES_PER_S * 1e3))
+    return results
+
+
+def format_gemm_table(results: list[GemmResult]) -> str:
+    header = ("projection", "rows", "bf16 cuBLAS ms", "fp8 ms (unit scales)", "x faster than bf16",
+              "fp8 row-wise cuBLAS ms", "fp8 weight-read floor ms", "x floor")
+    rows = [(r.projection, r.rows, f"{r.bf16_ms:.4f}", f"{r.fp8_ms:.4f}", f"{r.bf16_ms / r.fp8_ms:.2f}",
+             f"{r.fp8_rowwise_ms:.4f}", f"{r.floor_ms:.4f}", f"{r.fp8_ms / r.floor_ms:.2f}") for r in results]
+    totals = {}
+    for r in results:
+        totals.setdefault(r.rows, [0.0, 0.0, 0.0, 0.0])
+        for i, value in enumerate((r.bf16_ms, r.fp8_ms, r.fp8_rowwise_ms, r.floor_ms)):
+            totals[r.rows][i] += value
+    rows += [("layer", n, f"{b:.4f}", f"{f:.4f}", f"{b / f:.2f}", f"{w:.4f}", f"{fl:.4f}", f"{f / fl:.2f}")
+             for n, (b, f, w, fl) in totals.items()]
     return markdown_table(header, rows)

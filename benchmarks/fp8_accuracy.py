@@ -1,0 +1,111 @@
+"""Issue 38's accuracy gates, in one process: FP8 against the model's dtype.
+
+logits   random LLaDA-8B and Dream-7B weights (bf16, the same draw quantised): the full forward's logits of random
+         prompts, per-row cosine (median, 1st percentile, min) and relative error, and how often the argmax agrees;
+tasks    the embedded model on its tasks (arith, trace, passkey, multikey), every cached method: accuracy with each
+         option beside the unquantised one, with 95% Wilson intervals.
+
+    PYTHONPATH=src python benchmarks/fp8_accuracy.py logits --presets llada-8b dream-7b
+    PYTHONPATH=src python benchmarks/fp8_accuracy.py tasks --items 200
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from flash_dllm import LLM, SamplingParams
+from flash_dllm.cli import demo_variants
+from flash_dllm.eval.embedded import run_task
+from flash_dllm.markdown import markdown_table
+from flash_dllm.models import random_model
+from flash_dllm.tasks import RETRIEVAL_TASKS, answer_length, load_test_set
+
+OPTIONS = {"bf16": {}, "fp8 weights": dict(quantization="fp8")}
+
+
+@torch.inference_mode()
+def logits_rows(presets: list[str], batch: int, length: int, device: str) -> list[tuple]:
+    rows = []
+    for preset in presets:
+        logits = {}
+        for quantization in (None, "fp8"):
+            model = random_model(preset, device, torch.bfloat16, seed=0, quantization=quantization)
+            ids = torch.randint(0, model.config.vocab_size, (batch, length), generator=torch.Generator().manual_seed(1))
+            logits[quantization] = model(ids.to(device)).float().flatten(0, 1)
+            del model
+            gc.collect()
+            torch.cuda.empty_cache()
+        ref, got = logits[None], logits["fp8"]
+        cosine = F.cosine_similarity(got.double(), ref.double(), dim=-1)
+        rel = ((got - ref).norm(dim=-1) / ref.norm(dim=-1))
+        agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+        rows.append((preset, "fp8 weights", f"{cosine.median():.5f}", f"{cosine.quantile(0.01):.5f}",
+                     f"{cosine.min():.5f}", f"{rel.median():.4f}", f"{rel.max():.4f}", f"{100 * agree:.1f}",
+                     "yes" if cosine.median() >= 0.999 else "NO"))
+        print(" | ".join(rows[-1]), file=sys.stderr, flush=True)
+    return rows
+
+
+def wilson(correct: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    p = correct / n
+    centre, half = p + z * z / (2 * n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return (centre - half) / (1 + z * z / n), (centre + half) / (1 + z * z / n)
+
+
+def task_rows(methods: list[str], tasks: list[str], items: int, device: str) -> list[tuple]:
+    test_sets = {}
+    for task in tasks:
+        test_set = load_test_set(task)
+        if task in RETRIEVAL_TASKS:  # the shortest prompts, as `demo`
+            shortest = min(item.length for item in test_set)
+            test_set = [item for item in test_set if item.length == shortest]
+        test_sets[task] = test_set[:items]
+    variants, rows, accuracy = demo_variants(), [], {}
+    for option, kwargs in OPTIONS.items():
+        llm = LLM(device=device, **kwargs)
+        for method in methods:
+            for task, test_set in test_sets.items():
+                params = SamplingParams(max_tokens=answer_length(task), **variants[method])
+                llm.generate(test_set[0].prompt, params)  # compiles and captures out of the way
+                r = run_task(llm, task, method, test_set, params)
+                accuracy[option, method, task] = r.accuracy
+                low, high = wilson(r.num_correct, r.num_items)
+                delta = 100 * (r.accuracy - accuracy["bf16", method, task])
+                rows.append((option, method, task, f"{r.num_correct}/{r.num_items}", f"{100 * r.accuracy:.1f}",
+                             f"[{100 * low:.1f}, {100 * high:.1f}]", f"{delta:+.1f}", f"{r.tokens_per_step:.2f}"))
+                print(" | ".join(rows[-1]), file=sys.stderr, flush=True)
+        del llm
+        gc.collect()
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("gate", choices=["logits", "tasks"])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--presets", nargs="+", default=["llada-8b", "dream-7b"])
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--length", type=int, default=512)
+    parser.add_argument("--methods", nargs="+", default=["dual-cache", "flash-cache", "flash-verify", "elastic"])
+    parser.add_argument("--tasks", nargs="+", default=["arith", "trace", "passkey", "multikey"])
+    parser.add_argument("--items", type=int, default=200)
+    args = parser.parse_args()
+    start = time.perf_counter()
+    if args.gate == "logits":
+        print(markdown_table(("model", "option", "cosine median", "cosine p1", "cosine min", "rel err median",
+                              "rel err max", "argmax agrees %", ">= 0.999"),
+                             logits_rows(args.presets, args.batch, args.length, args.device)))
+    else:
+        print(markdown_table(("option", "method", "task", "correct", "accuracy %", "95% interval", "vs bf16",
+                              "tokens/step"), task_rows(args.methods, args.tasks, args.items, args.device)))
+    print(f"# {time.perf_counter() - start:.0f} s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
