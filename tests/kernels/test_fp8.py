@@ -100,7 +100,9 @@ def test_fp8_product_is_the_scaled_gemm(dtype):
     bias = randn(48, dtype=dtype, seed=2)
     out = dequantize_ref(fp8_product(x, w.values, w.scale, bias, dtype), dtype)
     want = dequantized(x) @ dequantized(w).T + bias.double()
-    assert out.dtype == dtype and rel_err(out, want) < BUDGET[dtype]
+    # Hopper's FP8 tensor cores accumulate with fewer than fp32's bits (7e-5 here on the H200)
+    budget = 2e-4 if dtype == torch.float32 and DEVICE == "cuda" else BUDGET[dtype]
+    assert out.dtype == dtype and rel_err(out, want) < budget
 
 
 def test_no_rows():

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ..kernels.fp8 import FP8, Fp8Rows, ScaledProduct, dequantize_ref, fp8_product, quantize_rows_ref
+from ..kernels.fp8_matmul import fp8_matmul
 
 QUANTIZATIONS = ("fp8",)
 
@@ -51,15 +52,16 @@ class Fp8Linear(nn.Module):
         self.weight[rows] = values
         self.weight_scale[rows] = scale
 
-    def product(self, x: Fp8Rows, rows: slice | None = None) -> ScaledProduct:
-        """Quantised rows x [M, in] -> the ScaledProduct [M, out] (of output rows `rows` only, if given)."""
-        rows = rows or slice(None)
-        return fp8_product(x, self.weight[rows], self.weight_scale[rows],
-                           None if self.bias is None else self.bias[rows], self.dtype)
+    def product(self, x: Fp8Rows) -> ScaledProduct:
+        """The kernel path: quantised rows x [M, in] -> the ScaledProduct [M, out], by the faster GEMM for M."""
+        return fp8_matmul(x, self.weight, self.weight_scale, self.bias, self.dtype)
 
     def forward(self, x: torch.Tensor, rows: slice | None = None) -> torch.Tensor:
-        """x [..., in] -> [..., out] (or output rows `rows` only) in the model's dtype: the PyTorch reference."""
-        product = self.product(quantize_rows_ref(x.reshape(-1, self.in_features)), rows)
+        """x [..., in] -> [..., out] (or output rows `rows` only) in the model's dtype: the PyTorch reference
+        (cuBLAS's FP8 GEMM on the GPU)."""
+        rows = rows or slice(None)
+        product = fp8_product(quantize_rows_ref(x.reshape(-1, self.in_features)), self.weight[rows],
+                              self.weight_scale[rows], None if self.bias is None else self.bias[rows], self.dtype)
         return dequantize_ref(product, self.dtype).view(*x.shape[:-1], -1)
 
 
