@@ -328,7 +328,7 @@ def cmd_bench(args):
             results = [r for batch in args.batch_sizes for r in bench_fp8_kernels(llm.model, batch * args.rows,
                                                                                   args.warmup, args.iters)]
             print(format_kernel_table(results))
-            print(format_gemm_table(bench_fp8_gemms(llm.model, args.gemm_rows, args.warmup, args.iters)))
+            print(format_gemm_table(bench_fp8_gemms(llm.model, args.gemm_rows, args.iters)))
             return
         results = [r for batch in args.batch_sizes
                    for r in bench_kernels(llm.model, batch, args.rows, args.kv_length, args.warmup, args.iters)]

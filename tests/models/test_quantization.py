@@ -106,3 +106,28 @@ def test_unsupported_combinations_are_refused(gqa_checkpoint, tmp_path):
         LLM(gqa_checkpoint, device="cpu", quantization="fp8", batch_invariant=True)
     with pytest.raises(ValueError, match="save the original checkpoint"):
         save_checkpoint(load_model(gqa_checkpoint, quantization="fp8"), tmp_path, {})
+
+
+def test_fp8_model_is_its_fake_quantised_model(monkeypatch):
+    """The FP8 model computes what an fp32 model computes with its projections' weights replaced by their E4M3
+    values times their scales and each projection's input rounded the same way per row: the loss is E4M3's alone."""
+    fp8 = random_model("llada-tiny", "cpu", torch.float32, seed=2, quantization="fp8")
+    fake = random_model("llada-tiny", "cpu", torch.float32, seed=2)
+    modules, projections = dict(fake.named_modules()), set()
+    for name, module in fp8_linears(fp8).items():
+        modules[name].weight.copy_(module.weight.float() * module.weight_scale[:, None])
+        projections.add(modules[name].weight.data_ptr())
+    linear = F.linear
+
+    def fake_quantised_linear(x, weight, bias=None):
+        if weight.data_ptr() in projections:  # a weight slice (the queries' rows) starts elsewhere: none here
+            rows = quantize_rows_ref(x)
+            x = rows.values.float() * rows.scale[..., None]
+        return linear(x, weight, bias)
+    monkeypatch.setattr(F, "linear", fake_quantised_linear)
+    ids = torch.tensor([PROMPTS[1] * 3])
+    assert rel_err(fp8(ids), fake(ids)) < 1e-5
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()

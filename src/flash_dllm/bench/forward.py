@@ -48,6 +48,25 @@ def time_ms(fn, warmup: int, iters: int, device: torch.device) -> float:
     return statistics.median(times)
 
 
+def graph_time_ms(fn, device: torch.device, calls: int = 20, iters: int = 10) -> float:
+    """Median GPU time of one fn() in ms, from CUDA graphs of `calls` calls replayed back to back: a kernel of a few
+    microseconds timed alone measures its launch (Triton's from Python: tens of microseconds), which the engine's
+    graphs do not pay. CPU: time_ms."""
+    if device.type != "cuda":
+        return time_ms(fn, 1, iters, device)
+    fn()  # compiles, and cuBLAS's workspace, outside the capture
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return time_ms(graph.replay, 2, iters, device) / calls
+
+
 @torch.inference_mode()
 def bench_forward(model, batch: int, length: int, logit_rows: int | None = None, warmup: int = 3,
                   iters: int = 10, seed: int = 0) -> ForwardResult:

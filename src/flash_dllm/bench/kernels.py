@@ -21,7 +21,7 @@ from ..kernels.fused_qkv_rope import fused_qkv_rope, fused_qkv_rope_ref, qkv_rop
 from ..kernels.rms_norm import rms_norm, rms_norm_fp8, rms_norm_fp8_ref, rms_norm_ref
 from ..kernels.silu_mul import silu_mul, silu_mul_fp8, silu_mul_fp8_ref, silu_mul_ref
 from ..markdown import markdown_table
-from .forward import time_ms
+from .forward import graph_time_ms, time_ms
 from .roofline import HBM_BYTES_PER_S
 
 
@@ -175,12 +175,12 @@ class GemmResult:
 
 
 @torch.inference_mode()
-def bench_fp8_gemms(model, row_counts: list[int], warmup: int = 10, iters: int = 50) -> list[GemmResult]:
+def bench_fp8_gemms(model, row_counts: list[int], iters: int = 50) -> list[GemmResult]:
     """Each FP8 projection of the first layer at each row count against cuBLAS's GEMM on the same weights in the
-    model's dtype, and against the weight-read floor."""
+    model's dtype, and against the weight-read floor; GPU times from CUDA graphs (graph_time_ms)."""
     layer = model.layers[0]
     device, dtype = layer.attn_norm.weight.device, layer.attn_norm.weight.dtype
-    time = lambda fn: time_ms(fn, warmup, iters, device)
+    time = lambda fn: graph_time_ms(fn, device, iters=iters)  # GPU time without the launch, as in the engine's graphs
     results = []
     for rows in row_counts:
         for name, proj in (("qkv", layer.attention.qkv_proj), ("o", layer.attention.o_proj),
