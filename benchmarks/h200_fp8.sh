@@ -3,8 +3,6 @@
 #   PART=check  the GPU tests of the FP8 kernels and the kernel path; `bench kernels --quantization fp8` (the kernels
 #               around the FP8 GEMMs, and each GEMM against cuBLAS bf16 and its weight-read floor); `bench generate`
 #               at batch 1, bf16 then fp8; the logits gate (benchmarks/fp8_accuracy.py logits)
-#   PART=tune   the GPU tests of the FP8 GEMM; its tile sweep (benchmarks/fp8_gemm_configs.py); `bench generate` at
-#               batch 1 with fp8; the logits gate with its baselines
 #   PART=b32    `bench generate` at batch 32, bf16 then fp8; the embedded tasks' accuracy gate
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -24,11 +22,6 @@ if [ "${PART:-check}" = check ]; then
   TAIL=8 gen gen_b1_bf16 100 1 dual-cache flash-cache flash-verify
   TAIL=8 gen gen_b1_fp8 100 1 dual-cache flash-cache flash-verify --quantization fp8
   TAIL=8 step logits 200 python benchmarks/fp8_accuracy.py logits
-elif [ "$PART" = tune ]; then
-  step gpu_tests 100 python -m pytest -q -p no:cacheprovider tests/kernels/test_fp8.py tests/kernels/test_fp8_matmul.py
-  TAIL=24 step configs 200 python benchmarks/fp8_gemm_configs.py
-  TAIL=8 gen gen_b1_fp8 100 1 dual-cache flash-cache flash-verify --quantization fp8
-  TAIL=12 step logits 200 python benchmarks/fp8_accuracy.py logits
 else
   TAIL=8 gen gen_b32_bf16 260 32 dual-cache flash-cache flash-verify
   TAIL=8 gen gen_b32_fp8 200 32 dual-cache flash-cache flash-verify --quantization fp8

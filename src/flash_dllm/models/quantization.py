@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 from ..kernels.fp8 import FP8, Fp8Rows, ScaledProduct, dequantize_ref, fp8_product, quantize_rows_ref
-from ..kernels.fp8_matmul import fp8_matmul
 
 QUANTIZATIONS = ("fp8",)
 
@@ -53,8 +52,8 @@ class Fp8Linear(nn.Module):
         self.weight_scale[rows] = scale
 
     def product(self, x: Fp8Rows) -> ScaledProduct:
-        """The kernel path: quantised rows x [M, in] -> the ScaledProduct [M, out], by the faster GEMM for M."""
-        return fp8_matmul(x, self.weight, self.weight_scale, self.bias, self.dtype)
+        """The kernel path: quantised rows x [M, in] -> the ScaledProduct [M, out]."""
+        return fp8_product(x, self.weight, self.weight_scale, self.bias, self.dtype)
 
     def forward(self, x: torch.Tensor, rows: slice | None = None) -> torch.Tensor:
         """x [..., in] -> [..., out] (or output rows `rows` only) in the model's dtype: the PyTorch reference
