@@ -325,8 +325,8 @@ def cmd_bench(args):
         if llm.device.type != "cuda" and not llm.runner.kernels:
             raise ValueError("bench kernels runs the Triton kernels: it needs a CUDA device (or TRITON_INTERPRET=1)")
         if args.quantization:
-            results = [r for batch in args.batch_sizes for r in bench_fp8_kernels(llm.model, batch * args.rows,
-                                                                                  args.warmup, args.iters)]
+            results = [r for batch in args.batch_sizes
+                       for r in bench_fp8_kernels(llm.model, batch * args.rows, args.iters)]
             print(format_kernel_table(results))
             print(format_gemm_table(bench_fp8_gemms(llm.model, args.gemm_rows, args.iters)))
             return

@@ -132,13 +132,13 @@ def format_table(results: list[KernelResult]) -> str:
 
 
 @torch.inference_mode()
-def bench_fp8_kernels(model, rows: int, warmup: int = 10, iters: int = 50, seed: int = 0) -> list[KernelResult]:
+def bench_fp8_kernels(model, rows: int, iters: int = 50, seed: int = 0) -> list[KernelResult]:
     """The kernels that quantise FP8 GEMMs' inputs and scale their outputs, against their PyTorch references, at
-    `rows` rows of a model with quantization="fp8"."""
+    `rows` rows of a model with quantization="fp8"; GPU times from CUDA graphs (graph_time_ms)."""
     torch.manual_seed(seed)
     cfg, layer = model.config, model.layers[0]
     device, dtype = layer.attn_norm.weight.device, layer.attn_norm.weight.dtype
-    time = lambda fn: time_ms(fn, warmup, iters, device)
+    time = lambda fn: graph_time_ms(fn, device, iters=iters)
     shape = f"rows={rows}"
     x = torch.randn(rows, cfg.hidden_size, device=device, dtype=dtype)
     normed = quantize_rows_ref(x)
