@@ -48,6 +48,17 @@ def test_info(capsys):
     assert "KV cache per token: 1,048,576 bytes (float32, all layers; 1000.0 MiB per 1k tokens)" in out
     assert main(["info"]) == 0  # the embedded model's directory
     assert "architecture: llada" in capsys.readouterr().out
+    assert main(["info", "--model", "random:llada-8b", "--device", "cpu", "--dtype", "bf16",
+                 "--quantization", "fp8"]) == 0
+    assert "(9.06 GB in bfloat16 with fp8 projections and their scales)" in capsys.readouterr().out
+
+
+def test_generate_with_fp8_weights(capsys):
+    assert main(["generate", "What is 3 + 4?", "--device", "cpu", "--max-tokens", "16", "--block-length", "8",
+                 "--quantization", "fp8"]) == 0
+    assert "--- request 0 (argument 1, " in capsys.readouterr().out
+    assert main(["generate", "x", "--device", "cpu", "--quantization", "int8"]) == 2
+    assert "argument --quantization: invalid choice: 'int8' (choose from 'fp8')" in capsys.readouterr().err
 
 
 def test_bench_forward_on_cpu(capsys):
