@@ -32,13 +32,14 @@ DEFAULT_MAX_TOKENS = 256
 @register_model("flash_dllm", "flash-dllm")
 class FlashDLLM(LM):
     def __init__(self, pretrained: str | None = None, device: str | None = None, dtype: str | None = None,
-                 batch_size: int | str | None = None, max_batch_size: int | None = None, **sampling):
+                 batch_size: int | str | None = None, max_batch_size: int | None = None,
+                 quantization: str | None = None, **sampling):
         super().__init__()  # max_batch_size: lm-eval's cap for its automatic batch search, unused here
         fields = {"method", "max_tokens", "block_length", "temperature", "seed", *knobs()}
         unknown = sorted(set(sampling) - fields)
         if unknown:
             raise ValueError(f"unknown model_args {', '.join(unknown)}; flash_dllm takes pretrained, device, dtype, "
-                             f"batch_size, the SamplingParams fields and the methods' knobs: "
+                             f"batch_size, quantization, the SamplingParams fields and the methods' knobs: "
                              f"{', '.join(sorted(fields))}")
         self.params = SamplingParams(**{"max_tokens": DEFAULT_MAX_TOKENS, **sampling})
         # lm-eval's "auto" batch size means "as large as fits": the engine's batch is fixed, use the default
@@ -46,7 +47,8 @@ class FlashDLLM(LM):
         if str(device).startswith("cuda") and not torch.cuda.is_available():  # lm-eval's default is cuda:0
             logging.getLogger(__name__).warning("no GPU: flash_dllm runs on the CPU instead of %s", device)
             device = "cpu"
-        self.llm = LLM(pretrained, device=device, dtype=dtype, max_batch_size=batch, chat_template=False)
+        self.llm = LLM(pretrained, device=device, dtype=dtype, max_batch_size=batch, chat_template=False,
+                       quantization=quantization)
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """All requests in one batched generate; each output cut at its first stop string."""
