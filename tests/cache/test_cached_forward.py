@@ -2,12 +2,16 @@
 request's range, against the padded full forward."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from flash_dllm import load_model
 from flash_dllm.cache import CacheAllocator, KVCache
 from flash_dllm.cache.attention_metadata import AttentionMetadata
+from flash_dllm.decoding.elastic import cached_keys
+from flash_dllm.kernels.kv_fp8 import dequantize_kv, quantize_kv
 
 
 def rel_err(a, b):
@@ -97,3 +101,43 @@ def test_cache_budget(model):
     assert KVCache.from_budget(model.config, 10 * per_row + 5, torch.bfloat16, "cpu").num_rows == 10
     with pytest.raises(ValueError, match="holds no token"):
         KVCache.from_budget(model.config, per_row - 1, torch.bfloat16, "cpu")
+
+
+def test_fp8_cache_budget_holds_about_twice_the_rows(model):
+    """E4M3 K and V and an fp32 scale per row and KV head: at LLaDA-8B's head_dim (128) 132 bytes a head where bf16
+    takes 256. The hidden states, chunk summaries and k-means regions stay in the model's dtype."""
+    cfg, fp8 = model.config, torch.float8_e4m3fn
+    llada_8b = SimpleNamespace(num_layers=32, num_kv_heads=32, head_dim=128, hidden_size=4096)
+    assert KVCache.bytes_per_row(llada_8b, torch.bfloat16, kv_dtype=fp8) * 256 == \
+        KVCache.bytes_per_row(llada_8b, torch.bfloat16) * 132
+    per_row = KVCache.bytes_per_row(cfg, torch.bfloat16, kv_dtype=fp8)
+    assert per_row == cfg.kv_bytes_per_token // 2 + 2 * cfg.num_layers * cfg.num_kv_heads * 4
+    assert KVCache.bytes_per_row(cfg, torch.bfloat16, with_hidden=True, kv_dtype=fp8) == \
+        per_row + cfg.num_layers * cfg.hidden_size * 2
+    budget = 10 * KVCache.bytes_per_row(cfg, torch.bfloat16)
+    cache = KVCache.from_budget(cfg, budget, torch.bfloat16, "cpu", kv_dtype=fp8)
+    assert cache.num_rows == budget // per_row > 10
+    assert cache.k[0].dtype == cache.v[0].dtype == fp8 and cache.dtype == torch.bfloat16
+    assert cache.k_scale[0].shape == cache.v_scale[0].shape == (cache.num_rows + 1, cfg.num_kv_heads)
+    assert cache.nbytes == (cache.num_rows + 1) * per_row
+    assert cache.scales(1) == dict(k_scale=cache.k_scale[1], v_scale=cache.v_scale[1])
+    assert cache.chunk_summaries(32)[0].dtype == cache.hidden_states()[0].dtype == torch.bfloat16
+    assert KVCache(cfg, 4, torch.bfloat16, "cpu").scales(0) == {}
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        KVCache(cfg, 4, torch.bfloat16, "cpu", kv_dtype=torch.float16)
+
+
+def test_an_fp8_cache_stores_each_head_quantised(model):
+    """KVCache.write (the PyTorch path's) stores quantize_kv's values and scales; Elastic-Cache reads the keys back
+    dequantised, in the model's dtype."""
+    cfg = model.config
+    cache = KVCache(cfg, 8, torch.float32, "cpu", kv_dtype=torch.float8_e4m3fn)
+    k, v = (torch.randn(3, cfg.num_kv_heads, cfg.head_dim, generator=torch.Generator().manual_seed(i)) for i in (0, 1))
+    slots = torch.tensor([5, 0, 2])
+    cache.write(1, slots, k, v)
+    for values, scale, rows in ((cache.k[1], cache.k_scale[1], k), (cache.v[1], cache.v_scale[1], v)):
+        expected, expected_scale = quantize_kv(rows)
+        assert torch.equal(values[slots].view(torch.uint8), expected.view(torch.uint8))
+        assert torch.equal(scale[slots], expected_scale) and not values[[1, 3, 4]].float().any()
+    keys = cached_keys(cache, 1, slots)
+    assert keys.dtype == torch.float32 and torch.equal(keys, dequantize_kv(*quantize_kv(k), torch.float32))

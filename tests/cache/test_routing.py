@@ -12,6 +12,7 @@ from types import SimpleNamespace
 from flash_dllm.cache.regions import kmeans_assignment, region_summaries
 from flash_dllm.cache.routing import (CHUNK, POLICIES, SINKS, WINDOW, PromptRouting, chunks_opened, route,
                                       summarise, update_kmeans, visible_keys)
+from flash_dllm.kernels.kv_fp8 import dequantize_kv, quantize_kv
 
 B, K, HKV, GROUP, D = 3, 300, 2, 2, 8
 PROMPT = [260, 260, 200]
@@ -95,21 +96,29 @@ def kmeans_pass(cache, policies, budget, counts=None, positions=None, q=None, cl
     metadata = SimpleNamespace(cu_seqlens_q=torch.tensor([0, *counts]).cumsum(0), max_q=max(counts), max_kv=K,
                                kv_len=kv_len, kv_start=starts, write_cache=True, routing=routing,
                                slot_mapping=starts[routing.row_request] + positions)
-    update_kmeans(cache.k, cache.v, *cache.state, metadata)
+    update_kmeans(cache.k, cache.v, *cache.state, metadata, **cache.scales)
     if q is None:
         q = torch.randn(sum(counts), HKV * GROUP, D, generator=torch.Generator().manual_seed(1))
-    return route(q, cache.k, metadata, 0, kmeans=cache.state) if not routing.read_in_full else None, routing
+    visible = None if routing.read_in_full else route(q, cache.k, metadata, 0, kmeans=cache.state,
+                                                      k_scale=cache.scales.get("k_scale"))
+    return visible, routing
 
 
-def kmeans_cache():
+def kmeans_cache(fp8: bool = False):
     """Random keys and values in the flat layout, and an empty k-means state beside them (KVCache.kmeans_regions':
-    the region summaries with one scratch entry, each row's region, each region's size)."""
+    the region summaries with one scratch entry, each row's region, each region's size); fp8: K and V in E4M3 and
+    their scales (`scales`, as keyword arguments)."""
     g = torch.Generator().manual_seed(2)
     k, v = (torch.randn(B * SPAN + 1, HKV, D, generator=g) for _ in range(2))
+    scales = {}
+    if fp8:
+        (k, k_scale), (v, v_scale) = quantize_kv(k), quantize_kv(v)
+        scales = dict(k_scale=k_scale, v_scale=v_scale)
     summaries = torch.zeros(B * SPAN // CHUNK + 1, 3, HKV, D)
-    return SimpleNamespace(k=k, v=v, state=(summaries, torch.full((B * SPAN + 1, HKV), -1, dtype=torch.int32),
-                                            torch.zeros(B * SPAN // CHUNK + 1, HKV, dtype=torch.int32),
-                                            torch.full((B * SPAN + 1, HKV), -1, dtype=torch.int32)))
+    return SimpleNamespace(k=k, v=v, scales=scales,
+                           state=(summaries, torch.full((B * SPAN + 1, HKV), -1, dtype=torch.int32),
+                                  torch.zeros(B * SPAN // CHUNK + 1, HKV, dtype=torch.int32),
+                                  torch.full((B * SPAN + 1, HKV), -1, dtype=torch.int32)))
 
 
 def full_pass(cache, clustered=None):
@@ -182,6 +191,24 @@ def test_a_later_full_pass_keeps_the_grouping_and_summarises_the_new_keys():
             first = int(kept[rows.start + SINKS, h])  # its region's upper bound, of the new keys
             members = fresh_k[rows.start + position[kept[rows, h] == first], h]
             torch.testing.assert_close(summaries[b * SPAN // CHUNK + first, 1, h], members.amax(dim=0))
+
+
+def test_an_fp8_cache_is_routed_as_its_dequantised_keys():
+    """update_kmeans groups an fp8 cache's keys dequantised and moves each scale with its row; route summarises them
+    dequantised: the regions, layout and keys read of a cache holding those keys in fp32."""
+    fp8, dequantized = kmeans_cache(fp8=True), kmeans_cache()
+    as_fp32 = lambda cache: [dequantize_kv(cache.k, cache.scales["k_scale"], torch.float32),
+                             dequantize_kv(cache.v, cache.scales["v_scale"], torch.float32)]
+    dequantized.k, dequantized.v = as_fp32(fp8)
+    visible = []
+    for cache in (fp8, dequantized):
+        full_pass(cache)
+        visible.append(kmeans_pass(cache, ["kmeans", "chunk", "centroid"], 0.5)[0])
+    assert torch.equal(*visible)
+    for values, expected in zip(as_fp32(fp8), (dequantized.k, dequantized.v)):  # each value beside its scale
+        assert torch.equal(values, expected)
+    for part, dequantized_part in zip(fp8.state, dequantized.state):
+        assert torch.equal(part, dequantized_part)
 
 
 def test_kmeans_opens_the_best_regions_within_the_budget_as_contiguous_runs():

@@ -1,10 +1,11 @@
-"""Elastic-Cache's drift test kernel against its PyTorch reference."""
+"""Elastic-Cache's drift test kernel against its PyTorch reference, also from an fp8 cache."""
 from kernel_testing import BUDGET, DEVICE, rel_err  # first: it picks the interpreter on the CPU
 
 import pytest
 import torch
 
 from flash_dllm.kernels.drift_cosine import drift_cosine, drift_cosine_ref, key_splits
+from flash_dllm.kernels.kv_fp8 import quantize_kv
 
 
 def make_inputs(dtype, tracked=5, lengths=(7, 70, 130), width=140, heads=4, kv_heads=2, head_dim=32, rewritten=9,
@@ -28,17 +29,27 @@ def make_inputs(dtype, tracked=5, lengths=(7, 70, 130), width=140, heads=4, kv_h
             to(torch.stack(old_keys)))
 
 
+def fp8_inputs(q_before, q_after, k_cache, base, lengths, before_row, old_keys) -> tuple[tuple, dict]:
+    """make_inputs' with the cache's keys and the old keys in E4M3, and their scales as keyword arguments."""
+    (k_values, k_scale), (old_values, old_scale) = quantize_kv(k_cache), quantize_kv(old_keys)
+    return ((q_before, q_after, k_values, base, lengths, before_row, old_values),
+            dict(k_scale=k_scale, old_scale=old_scale))
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["cache", "fp8-cache"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tracked", [5, 70], ids=lambda t: f"T{t}")
 @pytest.mark.parametrize("splits", [1, 3, None], ids=lambda s: f"splits{s}")
-def test_drift_cosine_matches_reference(dtype, tracked, splits):
+def test_drift_cosine_matches_reference(dtype, tracked, splits, fp8):
     """Also with the keys split across programs (the 7-key request leaves two of three splits empty), and with
     the split count the kernel picks; written into a given slice (the reuse pass's per-layer buffer)."""
-    inputs = make_inputs(dtype, tracked=tracked)
+    inputs, scales = make_inputs(dtype, tracked=tracked), {}
+    if fp8:
+        inputs, scales = fp8_inputs(*inputs)
     layers = torch.full((2, 3, 4, tracked), float("nan"), device=DEVICE)
-    out = drift_cosine(*inputs, splits=splits, out=layers[1])
+    out = drift_cosine(*inputs, splits=splits, out=layers[1], **scales)
     assert out.data_ptr() == layers[1].data_ptr() and layers[0].isnan().all()
-    expected = drift_cosine_ref(*inputs)
+    expected = drift_cosine_ref(*inputs, **scales)
     assert out.shape == expected.shape == (3, 4, tracked)
     assert rel_err(out, expected) < BUDGET[dtype]
     assert rel_err(1.0 - out, 1.0 - expected) < BUDGET[dtype] * 10  # the drift itself, not only the cosine's 1

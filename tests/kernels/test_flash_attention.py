@@ -1,5 +1,6 @@
 """Scheduled flash attention against ragged_attention_ref: ragged batches, GQA, key mass, the verify pass, each
-with the keys of a request in one program and split across several (merged after the launch)."""
+with the keys of a request in one program and split across several (merged after the launch), and from an fp8
+cache (the reference dequantises it)."""
 from kernel_testing import BUDGET, DEVICE, rel_err  # first: it picks the interpreter on the CPU
 
 import pytest
@@ -9,6 +10,7 @@ from flash_dllm.cache.attention_metadata import AttentionMetadata, cu_seqlens
 from flash_dllm.kernels.attention import ragged_attention_ref
 from flash_dllm.kernels.flash_attention import (ROUTED_BLOCK_N, TARGET_PROGRAMS, flash_attention, num_splits,
                                                 routed_keys)
+from flash_dllm.kernels.kv_fp8 import FP8, quantize_kv
 
 # (query rows per request, KV length per request, heads, kv heads, head_dim)
 CASES = {
@@ -21,8 +23,11 @@ CASES = {
 }
 DTYPES = [torch.float32, torch.bfloat16]
 SPLITS = [1, 3]  # 3: some splits of the shorter requests hold no key
-# Splitting does not depend on the dtype: 3 splits in fp32 only (the interpreted kernels are slow on the CPU).
-DTYPE_SPLITS = [(torch.float32, 1), (torch.bfloat16, 1), (torch.float32, 3)]
+# Splitting does not depend on the dtype: 3 splits in fp32 only (the interpreted kernels are slow on the CPU); an
+# fp8 cache (kv FP8) with a bf16 model unsplit and an fp32 one split.
+DTYPE_SPLITS = [(torch.float32, 1, None), (torch.bfloat16, 1, None), (torch.float32, 3, None),
+                (torch.bfloat16, 1, FP8), (torch.float32, 3, FP8)]
+IDS = ["fp32", "bf16", "fp32-split", "bf16-fp8-cache", "fp32-split-fp8-cache"]
 
 
 def make_batch(q_counts, kv_lens, heads, kv_heads, head_dim, dtype, verify=False, seed=0):
@@ -48,30 +53,57 @@ def make_batch(q_counts, kv_lens, heads, kv_heads, head_dim, dtype, verify=False
     return q, k_cache, v_cache, table
 
 
+def stored(k_cache, v_cache, kv):
+    """The cache as stored: K, V as made (kv None), or quantised to E4M3 (kv FP8); and the scales as keyword
+    arguments."""
+    if kv is None:
+        return k_cache, v_cache, {}
+    (k_values, k_scale), (v_values, v_scale) = quantize_kv(k_cache), quantize_kv(v_cache)
+    return k_values, v_values, dict(k_scale=k_scale, v_scale=v_scale)
+
+
+def mass_budget(dtype, kv) -> float:
+    """fp32 probabilities from exact products, whatever the input dtype; from an fp8 cache the reference rounds the
+    dequantised keys to the dtype, which the kernel (scaling scores) does not."""
+    return 1e-5 if kv is None else BUDGET[dtype]
+
+
 def new_keys_and_values(q, k_cache, seed=1):
     """The verify pass's own K, V [N, Hkv, D]."""
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(q.shape[0], *k_cache.shape[1:], generator=g).to(q.dtype).to(DEVICE) for _ in range(2))
 
 
-@pytest.mark.parametrize("dtype, splits", DTYPE_SPLITS)
+@pytest.mark.parametrize("dtype, splits, kv", DTYPE_SPLITS, ids=IDS)
 @pytest.mark.parametrize("case", CASES)
-def test_matches_reference(case, dtype, splits):
+def test_matches_reference(case, dtype, splits, kv):
     q, k_cache, v_cache, table = make_batch(*CASES[case], dtype)
-    out = flash_attention(q, k_cache, v_cache, table, splits=splits)
-    assert rel_err(out, ragged_attention_ref(q, k_cache, v_cache, table)) < BUDGET[dtype]
+    k_cache, v_cache, scales = stored(k_cache, v_cache, kv)
+    out = flash_attention(q, k_cache, v_cache, table, splits=splits, **scales)
+    assert rel_err(out, ragged_attention_ref(q, k_cache, v_cache, table, **scales)) < BUDGET[dtype]
 
 
-@pytest.mark.parametrize("dtype, splits", DTYPE_SPLITS)
 @pytest.mark.parametrize("case", CASES)
-def test_key_mass_matches_reference(case, dtype, splits):
+def test_fp8_cache_is_close_to_the_unquantised_attention(case):
+    """E4M3's 3-bit mantissa, one scale per key and KV head: the bf16 attention's output in direction."""
+    q, k_cache, v_cache, table = make_batch(*CASES[case], torch.bfloat16)
+    k_values, v_values, scales = stored(k_cache, v_cache, FP8)
+    out = flash_attention(q, k_values, v_values, table, **scales)
+    exact = flash_attention(q, k_cache, v_cache, table)
+    assert torch.nn.functional.cosine_similarity(out.double().flatten(), exact.double().flatten(), dim=0) >= 0.999
+
+
+@pytest.mark.parametrize("dtype, splits, kv", DTYPE_SPLITS, ids=IDS)
+@pytest.mark.parametrize("case", CASES)
+def test_key_mass_matches_reference(case, dtype, splits, kv):
     q, k_cache, v_cache, table = make_batch(*CASES[case], dtype)
+    k_cache, v_cache, scales = stored(k_cache, v_cache, kv)
     mass, mass_ref = (torch.rand(table.num_seqs, table.max_kv, device=DEVICE) for _ in range(2))
     mass_ref.copy_(mass)  # accumulated into, not overwritten
-    out = flash_attention(q, k_cache, v_cache, table, key_mass=mass, splits=splits)
-    out_ref = ragged_attention_ref(q, k_cache, v_cache, table, key_mass=mass_ref)
+    out = flash_attention(q, k_cache, v_cache, table, key_mass=mass, splits=splits, **scales)
+    out_ref = ragged_attention_ref(q, k_cache, v_cache, table, key_mass=mass_ref, **scales)
     assert rel_err(out, out_ref) < BUDGET[dtype]
-    assert rel_err(mass, mass_ref) < 1e-5  # fp32 probabilities from exact products, whatever the input dtype
+    assert rel_err(mass, mass_ref) < mass_budget(dtype, kv)
 
 
 def test_key_mass_when_a_query_tile_has_no_tracked_row():
@@ -93,24 +125,29 @@ def test_key_mass_is_the_same_every_run():
     assert all(torch.equal(mass, masses[0]) for mass in masses[1:])
 
 
-@pytest.mark.parametrize("dtype, splits", DTYPE_SPLITS)
+@pytest.mark.parametrize("dtype, splits, kv", DTYPE_SPLITS, ids=IDS)
 @pytest.mark.parametrize("case", CASES)
-def test_verify_pass_matches_reference(case, dtype, splits):
+def test_verify_pass_matches_reference(case, dtype, splits, kv):
+    """The pass's own keys and values in the model's dtype, also beside an fp8 cache."""
     q, k_cache, v_cache, table = make_batch(*CASES[case], dtype, verify=True)
     k_new, v_new = new_keys_and_values(q, k_cache)
-    out = flash_attention(q, k_cache, v_cache, table, k_new=k_new, v_new=v_new, splits=splits)
-    assert rel_err(out, ragged_attention_ref(q, k_cache, v_cache, table, k_new=k_new, v_new=v_new)) < BUDGET[dtype]
+    k_cache, v_cache, scales = stored(k_cache, v_cache, kv)
+    own = dict(k_new=k_new, v_new=v_new, **scales)
+    out = flash_attention(q, k_cache, v_cache, table, splits=splits, **own)
+    assert rel_err(out, ragged_attention_ref(q, k_cache, v_cache, table, **own)) < BUDGET[dtype]
 
 
-@pytest.mark.parametrize("dtype, splits", DTYPE_SPLITS)
-def test_verify_with_empty_or_fully_hidden_cache(dtype, splits):
+@pytest.mark.parametrize("dtype, splits, kv", DTYPE_SPLITS, ids=IDS)
+def test_verify_with_empty_or_fully_hidden_cache(dtype, splits, kv):
     """Rows that see only the pass's own keys: the running max starts from those scores (no NaN)."""
     q, k_cache, v_cache, table = make_batch([6, 4, 5], [0, 7, 9], 4, 1, 32, dtype, verify=True)
     table.hidden_keys[1] = True  # request 1 hides its whole cache range; request 0 has none
     k_new, v_new = new_keys_and_values(q, k_cache)
+    k_cache, v_cache, scales = stored(k_cache, v_cache, kv)
+    own = dict(k_new=k_new, v_new=v_new, **scales)
     q = q * 30  # large scores: overflow shows up if the max misses the self part
-    out = flash_attention(q, k_cache, v_cache, table, k_new=k_new, v_new=v_new, splits=splits)
-    assert rel_err(out, ragged_attention_ref(q, k_cache, v_cache, table, k_new=k_new, v_new=v_new)) < BUDGET[dtype]
+    out = flash_attention(q, k_cache, v_cache, table, splits=splits, **own)
+    assert rel_err(out, ragged_attention_ref(q, k_cache, v_cache, table, **own)) < BUDGET[dtype]
 
 
 @pytest.mark.parametrize("splits", SPLITS)
@@ -147,23 +184,26 @@ def routed_masks(q, k_cache, table, seed=2):
     return (torch.rand(B, Hkv, table.max_kv, generator=g) < 0.5).to(DEVICE)
 
 
-@pytest.mark.parametrize("dtype, splits", DTYPE_SPLITS)
+@pytest.mark.parametrize("dtype, splits, kv", DTYPE_SPLITS, ids=IDS)
 @pytest.mark.parametrize("case", ["ragged-gqa", "two-query-tiles", "dream-gqa-7"])
-def test_routed_keys_match_reference(case, dtype, splits):
+def test_routed_keys_match_reference(case, dtype, splits, kv):
     """Each KV head reads only its routed keys; with the key mass, and in the verify pass (whose hidden keys stay
     hidden)."""
     q, k_cache, v_cache, table = make_batch(*CASES[case], dtype)
     visible = routed_masks(q, k_cache, table)
+    k_cache, v_cache, scales = stored(k_cache, v_cache, kv)
     mass, ref_mass = (torch.zeros(table.kv_start.shape[0], table.max_kv, device=DEVICE) for _ in range(2))
-    out = flash_attention(q, k_cache, v_cache, table, mass, splits=splits, routed=routed_keys(visible, table.kv_len))
-    ref = ragged_attention_ref(q, k_cache, v_cache, table, ref_mass, key_visible=visible)
+    out = flash_attention(q, k_cache, v_cache, table, mass, splits=splits, routed=routed_keys(visible, table.kv_len),
+                          **scales)
+    ref = ragged_attention_ref(q, k_cache, v_cache, table, ref_mass, key_visible=visible, **scales)
     assert rel_err(out, ref) < BUDGET[dtype] and rel_err(mass, ref_mass) < BUDGET[dtype]
     q, k_cache, v_cache, table = make_batch(*CASES[case], dtype, verify=True)
     k_new, v_new = new_keys_and_values(q, k_cache)
     visible = routed_masks(q, k_cache, table)
+    k_cache, v_cache, scales = stored(k_cache, v_cache, kv)
     out = flash_attention(q, k_cache, v_cache, table, k_new=k_new, v_new=v_new, splits=splits,
-                          routed=routed_keys(visible, table.kv_len))
-    ref = ragged_attention_ref(q, k_cache, v_cache, table, k_new=k_new, v_new=v_new, key_visible=visible)
+                          routed=routed_keys(visible, table.kv_len), **scales)
+    ref = ragged_attention_ref(q, k_cache, v_cache, table, k_new=k_new, v_new=v_new, key_visible=visible, **scales)
     assert rel_err(out, ref) < BUDGET[dtype]
 
 
@@ -176,11 +216,12 @@ def chunk_routed_masks(table, kv_heads, dense_request, seed=3):
     return opened.repeat_interleave(32, dim=-1)[..., :table.max_kv].to(DEVICE)
 
 
-@pytest.mark.parametrize("dtype, splits", DTYPE_SPLITS)
-def test_routed_tile_lists_visit_only_open_chunks(dtype, splits):
+@pytest.mark.parametrize("dtype, splits, kv", DTYPE_SPLITS, ids=IDS)
+def test_routed_tile_lists_visit_only_open_chunks(dtype, splits, kv):
     """Long ranges of mostly closed chunks: the kernel visits only the listed tiles (all of them for a request that
     reads every key), with the key mass, and matches the reference."""
     q, k_cache, v_cache, table = make_batch([4, 7, 3, 2], [600, 300, 0, 420], 4, 2, 32, dtype)
+    k_cache, v_cache, scales = stored(k_cache, v_cache, kv)
     visible = chunk_routed_masks(table, 2, dense_request=1)
     routed = routed_keys(visible, table.kv_len)
     tiles, count = routed.tiles, routed.count
@@ -193,6 +234,6 @@ def test_routed_tile_lists_visit_only_open_chunks(dtype, splits):
     for b, h in [(0, 0), (0, 1), (3, 1)]:
         assert tiles[b, h, :count[b, h]].tolist() == listed[b, h].nonzero().flatten().tolist()
     mass, ref_mass = (torch.zeros(4, table.max_kv, device=DEVICE) for _ in range(2))
-    out = flash_attention(q, k_cache, v_cache, table, mass, splits=splits, routed=routed)
-    ref = ragged_attention_ref(q, k_cache, v_cache, table, ref_mass, key_visible=visible)
+    out = flash_attention(q, k_cache, v_cache, table, mass, splits=splits, routed=routed, **scales)
+    ref = ragged_attention_ref(q, k_cache, v_cache, table, ref_mass, key_visible=visible, **scales)
     assert rel_err(out, ref) < BUDGET[dtype] and rel_err(mass, ref_mass) < BUDGET[dtype]

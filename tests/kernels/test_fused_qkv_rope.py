@@ -1,11 +1,13 @@
-"""Fused QKV + RoPE + cache write against its PyTorch reference, and the reference against the model."""
-from kernel_testing import BUDGET, DEVICE, rel_err  # first: it picks the interpreter on the CPU
+"""Fused QKV + RoPE + cache write against its PyTorch reference, and the reference against the model; into an fp8
+cache, the values it writes into a cache of the model's dtype, quantised."""
+from kernel_testing import BUDGET, DEVICE, e4m3_steps, rel_err  # first: it picks the interpreter on the CPU
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from flash_dllm.kernels.fused_qkv_rope import fused_qkv_rope, fused_qkv_rope_ref
+from flash_dllm.kernels.kv_fp8 import quantize_kv
 from flash_dllm.models.layers import apply_rotary, rotary_cos_sin
 
 # (d_model, heads, kv heads, head_dim, bias, rows): MHA; GQA with biases, head_dim 24 (half not a power of
@@ -41,6 +43,50 @@ def test_fused_qkv_rope_matches_reference(shape, dtype):
     assert q_out.shape == (rows, heads, head_dim) and q_out.dtype == dtype
     for out, ref in ((q_out, q_ref), (k_out, k_ref), (v_out, v_ref)):  # the caches' other rows unchanged too
         assert rel_err(out, ref) < BUDGET[dtype]
+
+
+def fp8_cache(k_cache, v_cache) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """The cache in E4M3 (kernels/kv_fp8.py): K and V values, and their scales as keyword arguments."""
+    (k_values, k_scale), (v_values, v_scale) = quantize_kv(k_cache), quantize_kv(v_cache)
+    return k_values, v_values, dict(k_scale=k_scale, v_scale=v_scale)
+
+
+def assert_fp8_close(written: tuple, ref: tuple, dtype):
+    """(k, v, scales) of an fp8 cache against the reference's: each value within one E4M3 step (a rounding near a
+    tie, or under a scale an ulp apart, may go the other way) and the scales within the dtype's budget."""
+    for values, ref_values in zip(written[:2], ref[:2]):
+        assert e4m3_steps(values, ref_values) <= 1
+    for name, scale in written[2].items():
+        assert rel_err(scale, ref[2][name]) < BUDGET[dtype]
+
+
+def assert_fp8_writes(write, reference, k_cache, v_cache, dtype):
+    """write(k, v, **scales) -> q into an fp8 cache writes quantize_kv of what it writes into a cache of the model's
+    dtype (which the other tests compare with the reference) and returns the same q. In fp32 its fp8 cache is also
+    the reference's (`reference`, the same call); a 16-bit projection or rotation rounds as the reference's only
+    within the dtype's budget (the interpreter's casts to bf16 truncate), which RoPE's cancellations turn into
+    several E4M3 steps of the smaller values."""
+    k_plain, v_plain = k_cache.clone(), v_cache.clone()
+    q_plain = write(k_plain, v_plain)
+    written = fp8_cache(k_cache, v_cache)
+    assert rel_err(write(*written[:2], **written[2]), q_plain) < BUDGET[dtype]
+    assert_fp8_close(written, fp8_cache(k_plain, v_plain), dtype)
+    if dtype == torch.float32:
+        ref = fp8_cache(k_cache, v_cache)
+        reference(*ref[:2], **ref[2])
+        assert_fp8_close(written, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "d{}-h{}-kv{}-hd{}-bias{}-n{}".format(*s))
+def test_fp8_cache_gets_the_quantised_values(shape, dtype):
+    """Whole heads per program (up to 32 rows, other tiles than into a cache of the model's dtype)."""
+    heads = shape[1]
+    x, weight, b, positions, slots, k_cache, v_cache = make_inputs(*shape, dtype)
+    inputs = (x, weight, b, positions, slots)
+    assert_fp8_writes(lambda k, v, **scales: fused_qkv_rope(*inputs, k, v, heads, 500000.0, **scales),
+                      lambda k, v, **scales: fused_qkv_rope_ref(*inputs, k, v, heads, 500000.0, **scales),
+                      k_cache, v_cache, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

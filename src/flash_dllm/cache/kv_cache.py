@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ModelConfig
+from ..kernels.kv_fp8 import quantize_kv
 
 ALIGN = 32  # rows; routing.CHUNK divides it
 
@@ -25,15 +26,29 @@ class KVCache:
     `hidden_states()`: per layer [num_rows + 1, hidden_size], the layer's input hidden state of each row, and
     the scratch row (Elastic-Cache recomputes deep layers over a whole sequence from them), allocated at first
     use: hidden_size values per token and layer, half the K/V bytes with MHA.
+
+    kv_dtype=torch.float8_e4m3fn (kernels/kv_fp8.py): K and V in E4M3, with k_scale[layer], v_scale[layer]
+    [num_rows + 1, kv_heads] fp32 beside them (else None), one per row and KV head: (head_dim + 4) / (2 head_dim)
+    of a 16-bit cache's bytes (0.52 at head_dim 128). `dtype` stays the model's: the hidden states, chunk
+    summaries and k-means regions are kept in it (a row of hidden states in fp8 would share one scale with the
+    residual stream's outliers).
     """
 
-    def __init__(self, cfg: ModelConfig, num_rows: int, dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, cfg: ModelConfig, num_rows: int, dtype: torch.dtype, device: torch.device | str,
+                 kv_dtype: torch.dtype | None = None):
         if num_rows <= 0:
             raise ValueError(f"KV cache needs at least one row, got {num_rows}")
+        if kv_dtype not in (None, dtype, torch.float8_e4m3fn):
+            raise ValueError(f"K and V are stored in the model's dtype or float8_e4m3fn, not {kv_dtype}")
         shape = (num_rows + 1, cfg.num_kv_heads, cfg.head_dim)
         self.num_rows, self.scratch_row = num_rows, num_rows
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.dtype, self.kv_dtype = dtype, kv_dtype or dtype
+        self.k = [torch.zeros(shape, dtype=self.kv_dtype, device=device) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros(shape, dtype=self.kv_dtype, device=device) for _ in range(cfg.num_layers)]
+        self.k_scale = self.v_scale = None
+        if self.kv_dtype == torch.float8_e4m3fn:
+            self.k_scale, self.v_scale = ([torch.zeros(shape[:2], device=device) for _ in range(cfg.num_layers)]
+                                          for _ in range(2))
         self._hidden_shape = (num_rows + 1, cfg.hidden_size)
         self._hidden: list[torch.Tensor] | None = None
         self._summaries: list[torch.Tensor] | None = None
@@ -46,7 +61,7 @@ class KVCache:
         if self._summaries is None:
             k = self.k[0]
             shape = (-(-k.shape[0] // chunk), 3, *k.shape[1:])
-            self._summaries = [torch.zeros(shape, dtype=k.dtype, device=k.device) for _ in self.k]
+            self._summaries = [torch.zeros(shape, dtype=self.dtype, device=k.device) for _ in self.k]
         return self._summaries
 
     def kmeans_regions(self, chunk: int) -> tuple[list[torch.Tensor], ...]:
@@ -60,7 +75,7 @@ class KVCache:
         if self._kmeans is None:
             k = self.k[0]
             regions = -(-k.shape[0] // chunk) + 1
-            self._kmeans = ([torch.zeros(regions, 3, *k.shape[1:], dtype=k.dtype, device=k.device) for _ in self.k],
+            self._kmeans = ([torch.zeros(regions, 3, *k.shape[1:], dtype=self.dtype, device=k.device) for _ in self.k],
                             [torch.full(k.shape[:2], -1, dtype=torch.int32, device=k.device) for _ in self.k],
                             [torch.zeros(regions, k.shape[1], dtype=torch.int32, device=k.device) for _ in self.k],
                             [torch.full(k.shape[:2], -1, dtype=torch.int32, device=k.device) for _ in self.k])
@@ -69,29 +84,50 @@ class KVCache:
     def hidden_states(self) -> list[torch.Tensor]:
         if self._hidden is None:
             k = self.k[0]
-            self._hidden = [torch.zeros(self._hidden_shape, dtype=k.dtype, device=k.device) for _ in self.k]
+            self._hidden = [torch.zeros(self._hidden_shape, dtype=self.dtype, device=k.device) for _ in self.k]
         return self._hidden
+
+    def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Store k, v [N, kv_heads, head_dim] (rotated K, in the model's dtype) at the layer's rows slot_mapping [N]:
+        quantised, with their scales, in an fp8 cache (the PyTorch path's write; the kernels write in their
+        epilogues)."""
+        if self.k_scale is None:
+            self.k[layer][slot_mapping], self.v[layer][slot_mapping] = k, v
+            return
+        for values, scale, rows in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            values[layer][slot_mapping], scale[layer][slot_mapping] = quantize_kv(rows)
+
+    def scales(self, layer: int) -> dict[str, torch.Tensor]:
+        """The layer's k_scale and v_scale as keyword arguments of the kernels and their references ({}: K and V
+        are in the model's dtype)."""
+        return {} if self.k_scale is None else dict(k_scale=self.k_scale[layer], v_scale=self.v_scale[layer])
 
     @property
     def nbytes(self) -> int:
-        """Bytes allocated: K, V, and the hidden states, chunk summaries and k-means regions if allocated."""
-        extra = [*(self._hidden or []), *(self._summaries or []), *(t for part in self._kmeans or () for t in part)]
+        """Bytes allocated: K, V (and their scales), and the hidden states, chunk summaries and k-means regions if
+        allocated."""
+        extra = [*(self.k_scale or []), *(self.v_scale or []), *(self._hidden or []), *(self._summaries or []),
+                 *(t for part in self._kmeans or () for t in part)]
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v, *extra))
 
     @staticmethod
-    def bytes_per_row(cfg: ModelConfig, dtype: torch.dtype, with_hidden: bool = False) -> int:
-        values = 2 * cfg.num_kv_heads * cfg.head_dim + (cfg.hidden_size if with_hidden else 0)
-        return cfg.num_layers * values * torch.finfo(dtype).bits // 8
+    def bytes_per_row(cfg: ModelConfig, dtype: torch.dtype, with_hidden: bool = False,
+                      kv_dtype: torch.dtype | None = None) -> int:
+        kv_dtype = kv_dtype or dtype
+        scale_bytes = 4 if kv_dtype == torch.float8_e4m3fn else 0
+        kv = 2 * cfg.num_kv_heads * (cfg.head_dim * torch.finfo(kv_dtype).bits // 8 + scale_bytes)
+        hidden = cfg.hidden_size * torch.finfo(dtype).bits // 8 if with_hidden else 0
+        return cfg.num_layers * (kv + hidden)
 
     @classmethod
     def from_budget(cls, cfg: ModelConfig, budget_bytes: int, dtype: torch.dtype, device,
-                    with_hidden: bool = False) -> KVCache:
+                    with_hidden: bool = False, kv_dtype: torch.dtype | None = None) -> KVCache:
         """As many rows as `budget_bytes` holds (leaving room for the hidden states if `with_hidden`)."""
-        per_row = cls.bytes_per_row(cfg, dtype, with_hidden)
+        per_row = cls.bytes_per_row(cfg, dtype, with_hidden, kv_dtype)
         num_rows = budget_bytes // per_row
         if num_rows < 1:
             raise ValueError(f"a KV cache budget of {budget_bytes} bytes holds no token ({per_row} bytes per token)")
-        return cls(cfg, num_rows, dtype, device)
+        return cls(cfg, num_rows, dtype, device, kv_dtype)
 
 
 @dataclass

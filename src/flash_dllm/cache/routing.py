@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ..kernels.kv_fp8 import dequantize_kv
 from .attention_metadata import padded_index
 from .regions import kmeans_assignment, region_summaries
 
@@ -190,7 +191,8 @@ def count_in_full(metadata, num_kv_heads: int):
 
 
 def update_kmeans(k_cache: torch.Tensor, v_cache: torch.Tensor, summaries: torch.Tensor, key_region: torch.Tensor,
-                  region_size: torch.Tensor, assignment: torch.Tensor, metadata):
+                  region_size: torch.Tensor, assignment: torch.Tensor, metadata, k_scale: torch.Tensor | None = None,
+                  v_scale: torch.Tensor | None = None):
     """After a pass wrote the layer's cache: the kmeans requests whose whole sequence it wrote get their k-means
     regions anew (KVCache.kmeans_regions' layer entries: each region's summary, each cache row's region per KV
     head, each region's size, each position's region). At a request's prefill k-means groups its routable
@@ -200,14 +202,15 @@ def update_kmeans(k_cache: torch.Tensor, v_cache: torch.Tensor, summaries: torch
     them in position order): a step that opens a region reads one contiguous range of rows. No other pass writes
     a kmeans request's routable keys (the others write its generated part, or the last prompt positions, which
     stay where they are; a routed prompt is never recomputed in a step), so the layout holds until the next full
-    pass."""
+    pass. k_scale, v_scale [rows, Hkv] fp32: an fp8 cache's (its keys grouped dequantised; the scales move with
+    their rows)."""
     routing = metadata.routing
     if not routing.any_rebuild:
         return
     Hkv, D = k_cache.shape[1:]
     keys = routing.keys_of_pass(metadata, Hkv)
     B, K = keys.key_index.shape
-    grouped = k_cache[keys.key_index].transpose(1, 2).reshape(B * Hkv, K, D)
+    grouped = cached_keys(k_cache, k_scale, keys.key_index).transpose(1, 2).reshape(B * Hkv, K, D)
     assign = assignment[keys.key_index].long().transpose(1, 2).masked_fill(~keys.routable[:, None, :], -1)
     if routing.any_recluster:
         fresh = kmeans_assignment(grouped, CHUNK, keys.routable.repeat_interleave(Hkv, dim=0)).view(B, Hkv, K)
@@ -227,8 +230,8 @@ def update_kmeans(k_cache: torch.Tensor, v_cache: torch.Tensor, summaries: torch
     heads = torch.arange(Hkv, device=k_cache.device)[:, None]
     source = keys.key_index[:, None, :].expand(B, Hkv, K).gather(2, order) * Hkv + heads         # [B, Hkv, K]
     target = rows[:, None, :] * Hkv + heads
-    for cache in (k_cache, v_cache):
-        flat = cache.view(-1, D)
+    for cache in (k_cache, v_cache, *(scale[..., None] for scale in (k_scale, v_scale) if scale is not None)):
+        flat = cache.view(-1, cache.shape[-1])
         flat[target.flatten()] = flat[source.flatten()]
     key_region.view(-1)[target.flatten()] = assign.gather(2, order).flatten().to(key_region.dtype)
 
@@ -256,14 +259,21 @@ def kmeans_inputs(state: tuple[torch.Tensor, ...] | None, keys: PassKeys):
             key_region[keys.key_index].long().transpose(1, 2), region_size[chunk].long().transpose(1, 2))
 
 
+def cached_keys(k_cache: torch.Tensor, k_scale: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor:
+    """The keys of cache rows `index` [...] -> [..., Hkv, D]: as cached, or dequantised to fp32 from an fp8 cache
+    (k_scale [rows, Hkv] fp32)."""
+    return k_cache[index] if k_scale is None else dequantize_kv(k_cache[index], k_scale[index], torch.float32)
+
+
 def route(q: torch.Tensor, k_cache: torch.Tensor, metadata, layer: int,
-          kmeans: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+          kmeans: tuple[torch.Tensor, ...] | None = None, k_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q [N, H, D] a pass's rotated queries, k_cache [rows, Hkv, D] the layer's cache (already holding the
     pass's keys) -> [B, Hkv, max_kv] bool: the cache keys each request's KV head reads (`visible_keys`), its
-    chunks summarised from the cache; `kmeans`: the layer's k-means regions, where the pass has kmeans requests."""
+    chunks summarised from the cache; `kmeans`: the layer's k-means regions, where the pass has kmeans requests.
+    k_scale [rows, Hkv] fp32: an fp8 cache's."""
     keys = metadata.routing.keys_of_pass(metadata, k_cache.shape[1])
     scored = {"chunk", "centroid"} & set(metadata.routing.policies)  # the others read no chunk summary
-    summaries = summarise(k_cache[keys.key_index], keys.in_prompt) if scored else {}
+    summaries = summarise(cached_keys(k_cache, k_scale, keys.key_index), keys.in_prompt) if scored else {}
     return visible_keys(q, summaries, metadata, layer, num_kv_heads=k_cache.shape[1],
                         kmeans=kmeans_inputs(kmeans, keys))
 

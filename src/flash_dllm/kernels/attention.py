@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache.attention_metadata import AttentionMetadata
+from .kv_fp8 import dequantize_kv
 
 
 ORDER_CHUNK = 64
@@ -97,7 +98,8 @@ def _ordered_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 def ragged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
                          key_mass: torch.Tensor | None = None, k_new: torch.Tensor | None = None,
                          v_new: torch.Tensor | None = None, key_visible: torch.Tensor | None = None,
-                         block_bytes: int = REFERENCE_BLOCK_BYTES) -> torch.Tensor:
+                         block_bytes: int = REFERENCE_BLOCK_BYTES, k_scale: torch.Tensor | None = None,
+                         v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q [N, H, D]; k_cache, v_cache [rows, Hkv, D] -> out [N, H, D] in q's dtype.
 
     With key_mass [B, >= max_kv] (fp32), adds for every cache key the softmax probability it receives, summed over
@@ -105,6 +107,8 @@ def ragged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     does not write the cache), the rows also attend to these keys under metadata.self_visibility. With
     key_visible [B, Hkv, max_kv] bool (routed prompt keys), each KV head's rows read only the keys it marks.
     block_bytes: the most bytes of fp32 scores held at once (the ordered attention's and the key mass's).
+    k_scale, v_scale [rows, Hkv] fp32: an fp8 cache, each request's range dequantised to q's dtype when it is read
+    (k_new, v_new stay in q's dtype).
 
     The requests' row ranges, cache ranges and tracked counts are read to the host once a call (the Triton
     kernel, the GPU's path, reads nothing back).
@@ -120,6 +124,9 @@ def ragged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     out = torch.zeros_like(q)  # a row that sees no key gets zeros, as in the kernel
     for b, (first, end, kv_start, kv_len, *num_tracked) in enumerate(zip(*torch.stack(shapes).tolist())):
         keys, values = k_cache[kv_start:kv_start + kv_len], v_cache[kv_start:kv_start + kv_len]
+        if k_scale is not None:
+            keys = dequantize_kv(keys, k_scale[kv_start:kv_start + kv_len], q.dtype)
+            values = dequantize_kv(values, v_scale[kv_start:kv_start + kv_len], q.dtype)
         if k_new is not None:  # the pass's own rows, right after its cache range
             keys, values = torch.cat([keys, k_new[first:end]]), torch.cat([values, v_new[first:end]])
         if first == end or keys.shape[0] == 0:

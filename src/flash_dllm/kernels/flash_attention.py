@@ -14,6 +14,11 @@ Routed prompt keys (`RoutedKeys`: kernels/route_chunks.py's, or `routed_keys` of
 list of key tiles per (request, KV head): the tiles that hold a key it reads (every tile where a request's own
 prompt rows are in the pass), so that a step reads only the open chunks of a long prompt; splits then divide
 each list. Routed launches use ROUTED_BLOCK_N-key tiles: two routing chunks, not four.
+
+An fp8 cache (kv_fp8.py: E4M3 K and V, one fp32 scale per row and KV head) is read as its tiles converted to q's
+dtype (exact), each key's scale multiplying its column of scores, and each value's its column of probabilities
+before P @ V: a multiply per score instead of one per K and V element (at 32 query rows x 64 keys, a quarter of a
+head-dim-128 tile's). The verify pass's own keys (k_new, v_new) are in the model's dtype.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ import torch.nn.functional as F
 from ..cache.attention_metadata import AttentionMetadata
 from .attention import ordered_sum
 from .invariant_matmul import invariant_sum
+from .kv_fp8 import scale_arguments
 
 try:
     import triton
@@ -85,7 +91,8 @@ def num_splits(programs: int, max_kv: int, block_n: int, key_mass: bool = False)
 def flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
                     key_mass: torch.Tensor | None = None, k_new: torch.Tensor | None = None,
                     v_new: torch.Tensor | None = None, routed: RoutedKeys | None = None,
-                    splits: int | None = None) -> torch.Tensor:
+                    splits: int | None = None, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q [N, H, D]; k_cache, v_cache [rows, Hkv, D] -> out [N, H, D] in q's dtype; a drop-in for
     ragged_attention_ref (same arguments, same result).
 
@@ -96,6 +103,7 @@ def flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     visited); the reference takes the mask of keys read, key_visible = ~routed.hidden. A row that sees no key
     gets 0.
     splits: key splits per program (default: `num_splits`; always 1 in the batch-invariant mode).
+    k_scale, v_scale [rows, Hkv] fp32: an fp8 cache's scales (k_new, v_new stay in q's dtype).
     """
     if triton is None:
         raise RuntimeError("flash_attention needs triton; use ragged_attention_ref")
@@ -107,6 +115,7 @@ def flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if N == 0:
         return torch.empty_like(q)
     assert q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1
+    fp8 = scale_arguments(k_cache, v_cache, k_scale, v_scale)
     config = launch_config(metadata.max_q, verify=has_new, num_seqs=metadata.num_seqs,
                            fp32=q.dtype == torch.float32, ordered=metadata.ordered, routed=routed is not None)
     tiles = triton.cdiv(metadata.max_q, config["BLOCK_M"])
@@ -142,16 +151,16 @@ def flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     dot_fp32 = q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
     block_d = max(16, triton.next_power_of_2(D))
     _flash_attention_kernel[grid](
-        q, k_cache, v_cache, part_out, part_max, part_sum, k_new, v_new,
+        q, k_cache, v_cache, *fp8.pointers, part_out, part_max, part_sum, k_new, v_new,
         metadata.cu_seqlens_q, metadata.kv_start, metadata.kv_len, hidden, visibility, track_rows, partial,
         listed, listed_count, listed.stride(0) if listed is not q else 0, listed.stride(1) if listed is not q else 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        part_out.stride(-3), part_out.stride(-2), part_out.stride(0) if split else 0,
+        *fp8.strides, part_out.stride(-3), part_out.stride(-2), part_out.stride(0) if split else 0,
         part_max.stride(0) if split else 0, H, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         hidden.stride(0), stride_hh, visibility.stride(0), visibility.stride(1), partial.stride(0),
         partial.stride(1), D ** -0.5, D, kv_chunk, H,
         GROUP=group, HAS_HIDDEN=hidden is not q, HAS_NEW=has_new, TRACK=track and not split,
-        SPLIT=split, HAS_TILES=listed is not q, BLOCK_D=block_d, DOT_FP32=dot_fp32, **config)
+        SPLIT=split, HAS_TILES=listed is not q, KV_FP8=fp8.on, BLOCK_D=block_d, DOT_FP32=dot_fp32, **config)
     if split:
         lse = torch.empty(N, H, device=q.device) if track else q
         _merge_splits_kernel[(N, H)](
@@ -160,12 +169,12 @@ def flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             KEEP_LSE=track, BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=block_d)
         if track:
             _key_mass_kernel[grid](
-                q, k_cache, lse, partial, metadata.cu_seqlens_q, metadata.kv_start, metadata.kv_len, hidden,
-                track_rows, listed, listed_count, listed.stride(0) if listed is not q else 0,
+                q, k_cache, fp8.pointers[0], lse, partial, metadata.cu_seqlens_q, metadata.kv_start, metadata.kv_len,
+                hidden, track_rows, listed, listed_count, listed.stride(0) if listed is not q else 0,
                 listed.stride(1) if listed is not q else 0, q.stride(0), q.stride(1), k_cache.stride(0),
-                k_cache.stride(1), lse.stride(0), hidden.stride(0), stride_hh, partial.stride(0), partial.stride(1),
-                D ** -0.5, D, kv_chunk, H, GROUP=group, HAS_HIDDEN=hidden is not q,
-                HAS_TILES=listed is not q,
+                k_cache.stride(1), fp8.strides[0], lse.stride(0), hidden.stride(0), stride_hh, partial.stride(0),
+                partial.stride(1), D ** -0.5, D, kv_chunk, H, GROUP=group, HAS_HIDDEN=hidden is not q,
+                HAS_TILES=listed is not q, KV_FP8=fp8.on,
                 BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_D=block_d, DOT_FP32=dot_fp32,
                 num_warps=config["num_warps"], num_stages=config["num_stages"])
     if track and not metadata.ordered:
@@ -198,14 +207,17 @@ if triton is not None:
         return tl.dot(a, b, input_precision="ieee")
 
     @triton.jit
-    def _softmax_step(b_s, b_v, b_m, b_l, b_acc, DOT_FP32: tl.constexpr):
+    def _softmax_step(b_s, b_v, b_vs, b_m, b_l, b_acc, V_SCALED: tl.constexpr, DOT_FP32: tl.constexpr):
         """Fold one tile of log2-domain scores b_s [M, N] (-inf where hidden) and values b_v [N, D] into the
-        running max b_m, sum b_l and output b_acc. A row with nothing visible so far keeps weight 0, not NaN."""
+        running max b_m, sum b_l and output b_acc. A row with nothing visible so far keeps weight 0, not NaN.
+        V_SCALED: the values are b_v * b_vs[:, None] (an fp8 cache's, b_vs [N] their scales)."""
         b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
         b_m_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
         b_p = tl.exp2(b_s - b_m_safe[:, None])
         b_alpha = tl.exp2(b_m - b_m_safe)
         b_l = b_l * b_alpha + tl.sum(b_p, 1)
+        if V_SCALED:
+            b_p = b_p * b_vs[None, :]
         b_acc = b_acc * b_alpha[:, None] + _dot(b_p.to(b_v.dtype), b_v, DOT_FP32)
         return b_m_new, b_l, b_acc
 
@@ -235,9 +247,9 @@ if triton is not None:
         return start
 
     @triton.jit
-    def _cache_scores(b_q, k_ptr, hidden_ptr, seq, kv_begin, kv_len, start, kv_head, stride_kn, stride_kh,
-                      stride_hb, stride_hh, qk_scale, o_d, m_d, HAS_HIDDEN: tl.constexpr, BLOCK_N: tl.constexpr,
-                      DOT_FP32: tl.constexpr):
+    def _cache_scores(b_q, k_ptr, ks_ptr, hidden_ptr, seq, kv_begin, kv_len, start, kv_head, stride_kn, stride_kh,
+                      stride_ksn, stride_hb, stride_hh, qk_scale, o_d, m_d, HAS_HIDDEN: tl.constexpr,
+                      KV_FP8: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr):
         """Log2-domain scores [M, BLOCK_N] of the cache keys start.. of the request (-inf where out of range
         or hidden) and the mask of the keys loaded."""
         o_n = start + tl.arange(0, BLOCK_N)
@@ -247,7 +259,11 @@ if triton is not None:
             m_key = m_key & (b_hidden == 0)
         b_k = tl.load(k_ptr + (kv_begin + o_n)[:, None] * stride_kn + kv_head * stride_kh + o_d[None, :],
                       mask=m_key[:, None] & m_d[None, :], other=0.0)
-        b_s = _dot(b_q, tl.trans(b_k), DOT_FP32) * qk_scale
+        if KV_FP8:  # E4M3 keys, exact in q's dtype; each key's scale on its column of scores
+            b_ks = tl.load(ks_ptr + (kv_begin + o_n) * stride_ksn + kv_head, mask=m_key, other=0.0)
+            b_s = _dot(b_q, tl.trans(b_k.to(b_q.dtype)), DOT_FP32) * (b_ks * qk_scale)[None, :]
+        else:
+            b_s = _dot(b_q, tl.trans(b_k), DOT_FP32) * qk_scale
         return tl.where(m_key[None, :], b_s, float("-inf")), m_key
 
     # Strides that vary with the step's shapes are not specialised on (divisibility by 16): each new
@@ -255,14 +271,14 @@ if triton is not None:
     @triton.jit(do_not_specialize=["stride_hb", "stride_hh", "stride_visb", "stride_visq", "stride_mb", "stride_mr",
                                    "stride_os", "stride_ms", "kv_chunk", "stride_tb", "stride_th"])
     def _flash_attention_kernel(
-            q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr, kn_ptr, vn_ptr,
+            q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, m_ptr, l_ptr, kn_ptr, vn_ptr,
             cu_q_ptr, kv_start_ptr, kv_len_ptr, hidden_ptr, vis_ptr, track_ptr, mass_ptr,
             tiles_ptr, count_ptr, stride_tb, stride_th, stride_qn, stride_qh, stride_kn, stride_kh, stride_vn,
-            stride_vh, stride_on, stride_oh, stride_os,
+            stride_vh, stride_ksn, stride_vsn, stride_on, stride_oh, stride_os,
             stride_ms, stride_mn, stride_knn, stride_knh, stride_vnn, stride_vnh, stride_hb, stride_hh, stride_visb,
             stride_visq, stride_mb, stride_mr, scale, D, kv_chunk, H,
             GROUP: tl.constexpr, HAS_HIDDEN: tl.constexpr, HAS_NEW: tl.constexpr, TRACK: tl.constexpr,
-            SPLIT: tl.constexpr, HAS_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
+            SPLIT: tl.constexpr, HAS_TILES: tl.constexpr, KV_FP8: tl.constexpr, BLOCK_M: tl.constexpr,
             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr):
         seq, tile = tl.program_id(0), tl.program_id(1)
         head, split = tl.program_id(2) % H, tl.program_id(2) // H
@@ -286,12 +302,17 @@ if triton is not None:
         b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         for i in range(kv_first, kv_end, step):
             start = _tile_start(i, p_tiles, HAS_TILES, BLOCK_N)
-            b_s, m_key = _cache_scores(b_q, k_ptr, hidden_ptr, seq, kv_begin, kv_len, start, kv_head, stride_kn,
-                                       stride_kh, stride_hb, stride_hh, qk_scale, o_d, m_d, HAS_HIDDEN, BLOCK_N,
-                                       DOT_FP32)
-            b_v = tl.load(v_ptr + (kv_begin + start + tl.arange(0, BLOCK_N))[:, None] * stride_vn
-                          + kv_head * stride_vh + o_d[None, :], mask=m_key[:, None] & m_d[None, :], other=0.0)
-            b_m, b_l, b_acc = _softmax_step(b_s, b_v, b_m, b_l, b_acc, DOT_FP32)
+            b_s, m_key = _cache_scores(b_q, k_ptr, ks_ptr, hidden_ptr, seq, kv_begin, kv_len, start, kv_head,
+                                       stride_kn, stride_kh, stride_ksn, stride_hb, stride_hh, qk_scale, o_d, m_d,
+                                       HAS_HIDDEN, KV_FP8, BLOCK_N, DOT_FP32)
+            o_row = kv_begin + start + tl.arange(0, BLOCK_N)
+            b_v = tl.load(v_ptr + o_row[:, None] * stride_vn + kv_head * stride_vh + o_d[None, :],
+                          mask=m_key[:, None] & m_d[None, :], other=0.0)
+            b_vs = b_l  # unread without KV_FP8
+            if KV_FP8:  # E4M3 values, exact in q's dtype; their scales on the probabilities
+                b_v = b_v.to(b_q.dtype)
+                b_vs = tl.load(vs_ptr + o_row * stride_vsn + kv_head, mask=m_key, other=0.0)
+            b_m, b_l, b_acc = _softmax_step(b_s, b_v, b_vs, b_m, b_l, b_acc, KV_FP8, DOT_FP32)
         if HAS_NEW:  # the pass's own keys (split 0): rows q_begin.., visible as self_visibility[seq, row, key] says
             for start in range(0, tl.where(split == 0, q_len, 0), BLOCK_N):
                 o_n = start + tl.arange(0, BLOCK_N)
@@ -305,7 +326,7 @@ if triton is not None:
                                 mask=m_m[:, None] & m_n[None, :], other=0)
                 b_s = _dot(b_q, tl.trans(b_k), DOT_FP32) * qk_scale
                 b_s = tl.where(b_vis != 0, b_s, float("-inf"))
-                b_m, b_l, b_acc = _softmax_step(b_s, b_v, b_m, b_l, b_acc, DOT_FP32)
+                b_m, b_l, b_acc = _softmax_step(b_s, b_v, b_l, b_m, b_l, b_acc, False, DOT_FP32)
 
         if SPLIT:  # this split's unnormalised output, max and sum, merged by _merge_splits_kernel
             p_row = split * stride_ms + (q_begin + o_m) * stride_mn + head
@@ -325,9 +346,9 @@ if triton is not None:
             sweep_end = tl.where(tl.sum(b_track.to(tl.int32), 0) > 0, kv_end, kv_first)
             for i in range(kv_first, sweep_end, step):
                 start = _tile_start(i, p_tiles, HAS_TILES, BLOCK_N)
-                b_s, m_key = _cache_scores(b_q, k_ptr, hidden_ptr, seq, kv_begin, kv_len, start, kv_head,
-                                           stride_kn, stride_kh, stride_hb, stride_hh, qk_scale, o_d, m_d,
-                                           HAS_HIDDEN, BLOCK_N, DOT_FP32)
+                b_s, m_key = _cache_scores(b_q, k_ptr, ks_ptr, hidden_ptr, seq, kv_begin, kv_len, start, kv_head,
+                                           stride_kn, stride_kh, stride_ksn, stride_hb, stride_hh, qk_scale, o_d,
+                                           m_d, HAS_HIDDEN, KV_FP8, BLOCK_N, DOT_FP32)
                 b_p = tl.where(b_track[:, None], tl.exp2(b_s - b_lse[:, None]), 0.0)
                 o_n = start + tl.arange(0, BLOCK_N)
                 p_mass = mass_ptr + seq * stride_mb + (tile * H + head) * stride_mr + o_n
@@ -360,11 +381,11 @@ if triton is not None:
     @triton.jit(do_not_specialize=["stride_hb", "stride_hh", "stride_mb", "stride_mr", "kv_chunk", "stride_tb",
                                    "stride_th"])
     def _key_mass_kernel(
-            q_ptr, k_ptr, lse_ptr, mass_ptr, cu_q_ptr, kv_start_ptr, kv_len_ptr, hidden_ptr, track_ptr,
-            tiles_ptr, count_ptr, stride_tb, stride_th, stride_qn, stride_qh, stride_kn, stride_kh, stride_lse,
-            stride_hb, stride_hh, stride_mb, stride_mr,
+            q_ptr, k_ptr, ks_ptr, lse_ptr, mass_ptr, cu_q_ptr, kv_start_ptr, kv_len_ptr, hidden_ptr, track_ptr,
+            tiles_ptr, count_ptr, stride_tb, stride_th, stride_qn, stride_qh, stride_kn, stride_kh, stride_ksn,
+            stride_lse, stride_hb, stride_hh, stride_mb, stride_mr,
             scale, D, kv_chunk, H,
-            GROUP: tl.constexpr, HAS_HIDDEN: tl.constexpr, HAS_TILES: tl.constexpr,
+            GROUP: tl.constexpr, HAS_HIDDEN: tl.constexpr, HAS_TILES: tl.constexpr, KV_FP8: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr):
         """Each cache key's final probability (from the rows' log-sum-exp) summed over the tile's tracked rows,
         into row (tile, head) of the request's partial masses, over this program's split of the keys."""
@@ -390,9 +411,9 @@ if triton is not None:
         qk_scale = scale * 1.4426950408889634
         for i in range(kv_first, kv_end, step):
             start = _tile_start(i, p_tiles, HAS_TILES, BLOCK_N)
-            b_s, m_key = _cache_scores(b_q, k_ptr, hidden_ptr, seq, kv_begin, kv_len, start, head // GROUP,
-                                       stride_kn, stride_kh, stride_hb, stride_hh, qk_scale, o_d, m_d, HAS_HIDDEN,
-                                       BLOCK_N, DOT_FP32)
+            b_s, m_key = _cache_scores(b_q, k_ptr, ks_ptr, hidden_ptr, seq, kv_begin, kv_len, start, head // GROUP,
+                                       stride_kn, stride_kh, stride_ksn, stride_hb, stride_hh, qk_scale, o_d, m_d,
+                                       HAS_HIDDEN, KV_FP8, BLOCK_N, DOT_FP32)
             b_p = tl.where(b_track[:, None], tl.exp2(b_s - b_lse[:, None]), 0.0)
             o_n = start + tl.arange(0, BLOCK_N)
             p_mass = mass_ptr + seq * stride_mb + (tile * H + head) * stride_mr + o_n

@@ -1,9 +1,10 @@
 """Fused QKV projection + rotary embedding + KV cache write (Triton), beside its PyTorch reference.
 
 One launch turns the normed hidden rows into Q (returned) and writes K (rotated) and V straight into the
-flat cache rows of slot_mapping, so no K/V tensor is ever stored in between. A pass that must not write the
-cache (the verify pass) passes fresh [N, Hkv, D] buffers and slot_mapping = arange(N). `qkv_rope`, which
-the model calls, uses it up to FUSED_MAX_ROWS rows and cuBLAS's GEMM + rope_cache_write beyond.
+flat cache rows of slot_mapping, so no K/V tensor is ever stored in between (quantised to E4M3 with their scales
+where the cache is fp8, kv_fp8.py). A pass that must not write the cache (the verify pass) passes fresh
+[N, Hkv, D] buffers in the model's dtype (beside an fp8 cache too) and slot_mapping = arange(N). `qkv_rope`,
+which the model calls, uses it up to FUSED_MAX_ROWS rows and cuBLAS's GEMM + rope_cache_write beyond.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from .invariant_matmul import invariant_matmul
+from .kv_fp8 import scale_arguments
 from .rope_cache_write import rope_cache_write, rope_cache_write_ref, rope_inv_freq
 
 try:
@@ -26,15 +28,17 @@ except ImportError:  # the reference works without triton; only the kernel needs
 
 def fused_qkv_rope_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
                        slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
-                       rope_theta: float) -> torch.Tensor:
+                       rope_theta: float, k_scale: torch.Tensor | None = None,
+                       v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [N, d]; weight [(H + 2 Hkv) * D, d] (q|k|v rows), bias [(H + 2 Hkv) * D] or None; positions,
     slot_mapping [N]; k_cache, v_cache [rows, Hkv, D] -> q [N, H, D] in x's dtype.
 
     Writes rotated K and V into the cache at slot_mapping. Rotate-half RoPE in fp32 on the projection
-    rounded to x's dtype, as LLaDABlock.cached_attention does.
+    rounded to x's dtype, as LLaDABlock.cached_attention does. k_scale, v_scale [rows, Hkv] fp32: an fp8 cache
+    (rope_cache_write_ref's).
     """
     return rope_cache_write_ref(F.linear(x, weight, bias), positions, slot_mapping, k_cache, v_cache, num_heads,
-                                rope_theta)
+                                rope_theta, k_scale, v_scale)
 
 
 # Rows up to which the fused kernel beats cuBLAS's GEMM + the rope_cache_write epilogue (H200, LLaDA-8B:
@@ -44,32 +48,38 @@ FUSED_MAX_ROWS = 64
 
 def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
              slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
-             rope_theta: float, invariant: bool = False) -> torch.Tensor:
+             rope_theta: float, invariant: bool = False, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """fused_qkv_rope_ref by the faster kernels for this many rows: the fused kernel for a few, else the
     GEMM and the epilogue kernel. invariant: the batch-invariant GEMM and the epilogue, at any row count."""
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
     if invariant:
         qkv = invariant_matmul(x, weight)
         return rope_cache_write(qkv if bias is None else qkv + bias, positions, slot_mapping, k_cache, v_cache,
-                                num_heads, rope_theta)
+                                num_heads, rope_theta, **scales)
     if x.shape[0] <= FUSED_MAX_ROWS:
-        return fused_qkv_rope(x, weight, bias, positions, slot_mapping, k_cache, v_cache, num_heads, rope_theta)
+        return fused_qkv_rope(x, weight, bias, positions, slot_mapping, k_cache, v_cache, num_heads, rope_theta,
+                              **scales)
     return rope_cache_write(F.linear(x, weight, bias), positions, slot_mapping, k_cache, v_cache, num_heads,
-                            rope_theta)
+                            rope_theta, **scales)
 
 
-def launch_config(num_rows: int, half: int) -> dict:
-    """Tile sizes by row count, tuned on the H200 at LLaDA-8B shapes (benchmarks/tune_kernels.py)."""
+def launch_config(num_rows: int, half: int, whole_heads: bool = False) -> dict:
+    """Tile sizes by row count, tuned on the H200 at LLaDA-8B shapes (benchmarks/tune_kernels.py). whole_heads:
+    a program holds whole heads (an fp8 cache's scale is the amax of a head; not tuned)."""
     block_half = max(16, triton.next_power_of_2(half))
     if num_rows <= 32:  # heads in chunks, to put more programs on the SMs
-        return dict(BLOCK_N=max(16, triton.next_power_of_2(num_rows)), BLOCK_HALF=min(16, block_half),
-                    BLOCK_K=128, num_warps=4, num_stages=4)
+        return dict(BLOCK_N=max(16, triton.next_power_of_2(num_rows)),
+                    BLOCK_HALF=block_half if whole_heads else min(16, block_half), BLOCK_K=128, num_warps=4,
+                    num_stages=4)
     return dict(BLOCK_N=min(128, triton.next_power_of_2(num_rows)), BLOCK_HALF=block_half, BLOCK_K=64,
                 num_warps=8, num_stages=4)
 
 
 def fused_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
                    slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
-                   rope_theta: float) -> torch.Tensor:
+                   rope_theta: float, k_scale: torch.Tensor | None = None,
+                   v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton kernel of fused_qkv_rope_ref (same arguments, same result)."""
     if triton is None:
         raise RuntimeError("fused_qkv_rope needs triton; use fused_qkv_rope_ref")
@@ -79,16 +89,17 @@ def fused_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     q = torch.empty(N, num_heads, head_dim, dtype=x.dtype, device=x.device)
     if N == 0:
         return q
+    fp8 = scale_arguments(k_cache, v_cache, k_scale, v_scale)
     half = head_dim // 2
-    config = launch_config(N, half)
+    config = launch_config(N, half, whole_heads=fp8.on)
     chunks = triton.cdiv(half, config["BLOCK_HALF"])
     grid = (triton.cdiv(N, config["BLOCK_N"]), (num_heads + 2 * num_kv_heads) * chunks)
     _fused_qkv_rope_kernel[grid](
         x, weight, bias if bias is not None else weight, positions, rope_inv_freq(head_dim, rope_theta, x.device),
-        slot_mapping, q, k_cache, v_cache,
+        slot_mapping, q, k_cache, v_cache, *fp8.pointers,
         N, d, half, x.stride(0), weight.stride(0), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1),
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HAS_BIAS=bias is not None, CHUNKS=chunks,
+        v_cache.stride(0), v_cache.stride(1), *fp8.strides,
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HAS_BIAS=bias is not None, CHUNKS=chunks, KV_FP8=fp8.on,
         DOT_FP32=x.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1", **config)
     return q
 
@@ -102,10 +113,11 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["N"])  # the row count varies by step: no recompilation per N % 16
     def _fused_qkv_rope_kernel(
-            x_ptr, w_ptr, bias_ptr, pos_ptr, inv_freq_ptr, slot_ptr, q_ptr, k_ptr, v_ptr,
+            x_ptr, w_ptr, bias_ptr, pos_ptr, inv_freq_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
             N, d, half, stride_xn, stride_wf, stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
-            NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HAS_BIAS: tl.constexpr, CHUNKS: tl.constexpr,
-            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_HALF: tl.constexpr, DOT_FP32: tl.constexpr):
+            stride_ksn, stride_vsn, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HAS_BIAS: tl.constexpr,
+            CHUNKS: tl.constexpr, KV_FP8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+            BLOCK_HALF: tl.constexpr, DOT_FP32: tl.constexpr):
         # One program: BLOCK_N rows x one chunk of BLOCK_HALF column pairs of a head of the packed q|k|v output
         # (heads 0..H-1 are q, then k, then v). Column j and its rotate-half partner j + half get their own
         # accumulators, so a chunk holds whole pairs.
@@ -135,4 +147,5 @@ if triton is not None:
         b_1 = b_1.to(x_ptr.dtype.element_ty).to(tl.float32)
         b_2 = b_2.to(x_ptr.dtype.element_ty).to(tl.float32)
         rotate_and_store(b_1, b_2, head, o_n, o_j, N, half, pos_ptr, inv_freq_ptr, slot_ptr, q_ptr, k_ptr, v_ptr,
-                         stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, NUM_HEADS, NUM_KV_HEADS)
+                         ks_ptr, vs_ptr, stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
+                         stride_ksn, stride_vsn, NUM_HEADS, NUM_KV_HEADS, KV_FP8)
