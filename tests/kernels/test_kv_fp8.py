@@ -7,7 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
-from flash_dllm.kernels.kv_fp8 import E4M3_MAX, FP8, dequantize_kv, e4m3_round, kv_scale, quantize_kv, quantized
+from flash_dllm.kernels.fp8 import FP8, FP8_MAX as E4M3_MAX, e4m3_round, quantized, scale_of
+from flash_dllm.kernels.kv_fp8 import dequantize_kv, quantize_kv
 
 
 def heads(dtype, rows=40, kv_heads=3, head_dim=24, seed=0):
@@ -44,8 +45,8 @@ def _quantize_kernel(x_ptr, values_ptr, scale_ptr, D, BLOCK_M: tl.constexpr, BLO
     o_m, o_d = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D)
     m = (o_d < D)[None, :]
     b_x = tl.load(x_ptr + o_m[:, None] * D + o_d[None, :], mask=m, other=0.0).to(tl.float32)
-    b_scale = kv_scale(tl.max(tl.abs(b_x), 1))
-    tl.store(values_ptr + o_m[:, None] * D + o_d[None, :], quantized(b_x, b_scale).to(values_ptr.dtype.element_ty),
+    b_scale = scale_of(tl.max(tl.abs(b_x), 1))
+    tl.store(values_ptr + o_m[:, None] * D + o_d[None, :], quantized(b_x, b_scale[:, None]).to(values_ptr.dtype.element_ty),
              mask=m)
     tl.store(scale_ptr + o_m, b_scale)
 

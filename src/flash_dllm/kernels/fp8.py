@@ -82,7 +82,7 @@ def quantize_rows(x: torch.Tensor) -> Fp8Rows:
     values = torch.empty(M, K, dtype=FP8, device=x.device)
     scale = torch.empty(M, dtype=torch.float32, device=x.device)
     if M:
-        _quantize_rows_kernel[(M,)](x, values, scale, x.stride(0), values.stride(0), K, MIN_AMAX, FP8_MAX,
+        _quantize_rows_kernel[(M,)](x, values, scale, x.stride(0), values.stride(0), K,
                                     BLOCK_K=min(4096, triton.next_power_of_2(K)), num_warps=4)
     return Fp8Rows(values, scale)
 
@@ -120,27 +120,33 @@ if triton is not None:
             b_out += tl.load(p_bias + o_n, mask=m_n, other=0.0).to(tl.float32)
         return b_out
 
+    # the globals a kernel reads must be constexpr
+    _FP8_MAX, _MIN_AMAX = tl.constexpr(FP8_MAX), tl.constexpr(MIN_AMAX)
+
+    @triton.jit
+    def scale_of(amax):
+        """A row's scale from the amax of its values (fp32), as quantize_rows_ref's."""
+        return tl.div_rn(tl.maximum(amax, _MIN_AMAX), _FP8_MAX)
+
     @triton.jit
     def quantized(b_x, scale):
-        """fp32 values divided by their row's scale (correctly rounded, clamped), then rounded to the nearest E4M3
-        value, ties to even, still in fp32: the conversion that stores them is then exact, as quantize_rows_ref's.
-        (The GPU's conversion rounds the same way; Triton's interpreter does not where the rounding carries into
-        the exponent: 124.3 became 64.)"""
-        b_x = tl.clamp(tl.div_rn(b_x, scale), -448.0, 448.0)
-        # Normals (|x| >= 2^-6): keep 3 of fp32's 23 mantissa bits, rounding the 20 dropped ones to nearest even.
-        bits = b_x.to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
-        # Subnormals: multiples of 2^-9, the spacing of fp32 values beside 1.5 * 2^14, which the add rounds to.
-        b_sub = (b_x + 24576.0) - 24576.0
-        return tl.where(tl.abs(b_x) >= 0.015625, bits.to(tl.float32, bitcast=True), b_sub)
+        """fp32 values divided by their row's scale (broadcast to b_x), clamped, rounded to E4M3 in fp32: exactly
+        quantize_rows_ref's values, and the cast that stores them is exact."""
+        return e4m3_round(tl.clamp(tl.div_rn(b_x, scale), -_FP8_MAX, _FP8_MAX))
 
     @triton.jit
-    def row_scale_of(amax, MIN_AMAX, FP8_MAX):
-        return tl.div_rn(tl.maximum(amax, MIN_AMAX), FP8_MAX)
+    def e4m3_round(x):
+        """fp32 x within +-448 -> the nearest E4M3 value, ties to even, in fp32: |x| over the E4M3 step of its binade
+        (2^(exponent - 3), the subnormals' 2^-9 at least; an exact division) rounded to an integer by adding and
+        subtracting 1.5 * 2^23, times the step; then x's sign (-0.0 included). The GPU's cast rounds the same way;
+        Triton's interpreter does not carry a rounded-up mantissa into the exponent (Triton 3.9: 124.1 -> 64)."""
+        bits = x.to(tl.int32, bitcast=True)
+        step = tl.maximum((bits & 0x7F800000).to(tl.float32, bitcast=True), 0.015625) * 0.125
+        rounded = ((tl.div_rn(tl.abs(x), step) + 12582912.0) - 12582912.0) * step
+        return tl.where(bits < 0, -rounded, rounded)
 
     @triton.jit(do_not_specialize=["M"])
-    def _quantize_rows_kernel(x_ptr, values_ptr, scale_ptr, stride_xm, stride_vm, K, MIN_AMAX, FP8_MAX,
-                              BLOCK_K: tl.constexpr):
+    def _quantize_rows_kernel(x_ptr, values_ptr, scale_ptr, stride_xm, stride_vm, K, BLOCK_K: tl.constexpr):
         # One program: one row, in column blocks: its amax, then its values.
         row = tl.program_id(0).to(tl.int64)
         p_x = x_ptr + row * stride_xm
@@ -148,7 +154,7 @@ if triton is not None:
         for start in range(0, K, BLOCK_K):
             o_k = start + tl.arange(0, BLOCK_K)
             b_amax = tl.maximum(b_amax, tl.abs(tl.load(p_x + o_k, mask=o_k < K, other=0.0).to(tl.float32)))
-        scale = row_scale_of(tl.max(b_amax, 0), MIN_AMAX, FP8_MAX)
+        scale = scale_of(tl.max(b_amax, 0))
         for start in range(0, K, BLOCK_K):
             o_k = start + tl.arange(0, BLOCK_K)
             b_x = tl.load(p_x + o_k, mask=o_k < K, other=0.0).to(tl.float32)

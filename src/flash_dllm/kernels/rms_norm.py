@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from .fp8 import FP8, FP8_MAX, MIN_AMAX, Fp8Rows, ScaledProduct, add_dequantized_ref, quantize_rows_ref
+from .fp8 import FP8, Fp8Rows, ScaledProduct, add_dequantized_ref, quantize_rows_ref
 
 try:
     import triton
     import triton.language as tl
 
-    from .fp8 import quantized, row_scale_of
+    from .fp8 import quantized, scale_of
 except ImportError:  # the reference works without triton; only the kernel needs it
     triton = None
 
@@ -84,8 +84,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ep
         x, weight, bias if bias is not None else weight, out, out_scale if out_scale is not None else x,
         values, row_scale, col_scale, residual_bias if residual_bias is not None else x,
         summed if summed is not None else x, M, x.stride(0), out.stride(0), values.stride(0),
-        (summed if summed is not None else x).stride(0), d, eps, MIN_AMAX,
-        FP8_MAX, HAS_BIAS=bias is not None, QUANTIZE=out_scale is not None, HAS_RESIDUAL=residual is not None,
+        (summed if summed is not None else x).stride(0), d, eps, HAS_BIAS=bias is not None, QUANTIZE=out_scale is not None, HAS_RESIDUAL=residual is not None,
         RESIDUAL_BIAS=residual_bias is not None, BLOCK_N=block_n, BLOCK_D=block_d,
         num_warps=max(1, min(8, block_n * block_d // 256)),
         enable_fp_fusion=False)  # no fma of weight * x + bias in fp32: PyTorch rounds the product first
@@ -94,7 +93,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ep
 if triton is not None:
     @triton.jit(do_not_specialize=["N"])  # the row count varies by step: no recompilation per N % 16
     def _rms_norm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, out_scale_ptr, values_ptr, row_ptr, col_ptr, res_bias_ptr,
-                         sum_ptr, N, stride_xn, stride_on, stride_vn, stride_sn, d, eps, MIN_AMAX, FP8_MAX,
+                         sum_ptr, N, stride_xn, stride_on, stride_vn, stride_sn, d, eps,
                          HAS_BIAS: tl.constexpr, QUANTIZE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                          RESIDUAL_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
         # One program: BLOCK_N whole rows, kept in registers between the sum of squares and the scaling.
@@ -122,7 +121,7 @@ if triton is not None:
             b_y = b_y.to(x_ptr.dtype.element_ty).to(tl.float32) + b_bias[None, :]
         if QUANTIZE:  # the normed row as x's dtype holds it, quantised as quantize_rows_ref
             b_y = b_y.to(x_ptr.dtype.element_ty).to(tl.float32)
-            b_scale = row_scale_of(tl.max(tl.abs(b_y), 1), MIN_AMAX, FP8_MAX)
+            b_scale = scale_of(tl.max(tl.abs(b_y), 1))
             b_y = quantized(b_y, b_scale[:, None])
             tl.store(out_scale_ptr + o_n, b_scale, mask=o_n < N)
         tl.store(out_ptr + o_n[:, None] * stride_on + o_d[None, :], b_y.to(out_ptr.dtype.element_ty), mask=m)

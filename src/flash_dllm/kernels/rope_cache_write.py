@@ -19,7 +19,7 @@ try:
     import triton
     import triton.language as tl
 
-    from .kv_fp8 import kv_scale, quantized
+    from .fp8 import quantized, scale_of
 except ImportError:  # the reference works without triton; only the kernel needs it
     triton = None
 
@@ -138,8 +138,8 @@ if triton is not None:
             if KV_FP8:  # quantised from the value a cache in the model's dtype (q's) would hold
                 b_1 = b_1.to(q_ptr.dtype.element_ty).to(tl.float32)
                 b_2 = b_2.to(q_ptr.dtype.element_ty).to(tl.float32)
-                b_scale = kv_scale(tl.maximum(tl.max(tl.abs(b_1), 1), tl.max(tl.abs(b_2), 1)))
-                b_1, b_2 = quantized(b_1, b_scale), quantized(b_2, b_scale)
+                b_scale = scale_of(tl.maximum(tl.max(tl.abs(b_1), 1), tl.max(tl.abs(b_2), 1)))
+                b_1, b_2 = quantized(b_1, b_scale[:, None]), quantized(b_2, b_scale[:, None])
                 tl.store(p_scale, b_scale, mask=m_n)
             _store_halves(p_out, b_1, b_2, half, m)
 

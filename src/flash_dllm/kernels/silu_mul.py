@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .fp8 import FP8, FP8_MAX, MIN_AMAX, Fp8Rows, ScaledProduct, dequantize_ref, quantize_rows_ref
+from .fp8 import FP8, Fp8Rows, ScaledProduct, dequantize_ref, quantize_rows_ref
 
 try:
     import triton
@@ -65,14 +65,14 @@ def silu_mul_fp8(gate_up: ScaledProduct) -> Fp8Rows:
     if M:
         _silu_mul_fp8_kernel[(M,)](
             values, gate_up.row_scale, gate_up.col_scale, bias if bias is not None else values, out.values,
-            out.scale, values.stride(0), out.values.stride(0), inter, MIN_AMAX, FP8_MAX, HAS_BIAS=bias is not None,
+            out.scale, values.stride(0), out.values.stride(0), inter, HAS_BIAS=bias is not None,
             BLOCK_I=min(2048, triton.next_power_of_2(inter)), num_warps=4,
             enable_fp_fusion=False)  # each step rounded as in the reference
     return out
 
 
 if triton is not None:
-    from .fp8 import dequantized, quantized, row_scale_of
+    from .fp8 import dequantized, quantized, scale_of
 
     @triton.jit
     def _silu_mul_of(p_values, p_col, p_bias, row_scale, o_i, m_i, inter, HAS_BIAS: tl.constexpr):
@@ -86,7 +86,7 @@ if triton is not None:
 
     @triton.jit
     def _silu_mul_fp8_kernel(values_ptr, row_ptr, col_ptr, bias_ptr, out_ptr, scale_ptr, stride_vm, stride_om, inter,
-                             MIN_AMAX, FP8_MAX, HAS_BIAS: tl.constexpr, BLOCK_I: tl.constexpr):
+                             HAS_BIAS: tl.constexpr, BLOCK_I: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         p_values, row_scale = values_ptr + row * stride_vm, tl.load(row_ptr + row)
         b_amax = tl.zeros([BLOCK_I], dtype=tl.float32)
@@ -94,7 +94,7 @@ if triton is not None:
             o_i = start + tl.arange(0, BLOCK_I)
             b_out = _silu_mul_of(p_values, col_ptr, bias_ptr, row_scale, o_i, o_i < inter, inter, HAS_BIAS)
             b_amax = tl.maximum(b_amax, tl.abs(b_out))
-        scale = row_scale_of(tl.max(b_amax, 0), MIN_AMAX, FP8_MAX)
+        scale = scale_of(tl.max(b_amax, 0))
         for start in range(0, inter, BLOCK_I):
             o_i = start + tl.arange(0, BLOCK_I)
             b_out = _silu_mul_of(p_values, col_ptr, bias_ptr, row_scale, o_i, o_i < inter, inter, HAS_BIAS)
