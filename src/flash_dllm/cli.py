@@ -10,7 +10,7 @@ from pathlib import Path
 
 from .decoding.registry import DEFAULT_METHOD, METHODS, method_of
 from .cache.routing import POLICIES
-from .models.quantization import QUANTIZATIONS
+from .models.quantization import KV_CACHE_DTYPES, QUANTIZATIONS, kv_dtype_of
 from .sampling_params import DEFAULT_KV_BUDGET, SamplingParams, knobs
 from .tasks import RETRIEVAL_TASKS, TASKS
 
@@ -75,6 +75,9 @@ def add_model_choice(parser: argparse.ArgumentParser, default_model: str | None 
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                         help="fp8: the decoder layers' projections in E4M3 (weights per channel, inputs per token), "
                              "quantised as the checkpoint loads (default: none, the dtype throughout)")
+    parser.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default=None,
+                        help="fp8: the KV cache's K and V in E4M3 with a scale per token and KV head, about half the "
+                             "bytes (default: the dtype)")
 
 
 def add_model_args(parser: argparse.ArgumentParser, default_model: str | None = None):
@@ -99,7 +102,8 @@ def llm_from_args(args, default_device: str | None = None, **options):
     on_off = lambda value: None if value is None else value == "on"
     return LLM(args.model, device=args.device or default_device, dtype=args.dtype, kernels=on_off(args.kernels),
                cuda_graphs=on_off(args.cuda_graphs), kv_cache_bytes=args.kv_cache_bytes,
-               batch_invariant=args.batch_invariant, quantization=args.quantization, **options)
+               batch_invariant=args.batch_invariant, quantization=args.quantization,
+               kv_cache_dtype=args.kv_cache_dtype, **options)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser):
@@ -286,8 +290,9 @@ def cmd_info(args):
     print(f"runs on: {device} in {name}" + (f", projections in {args.quantization}" if args.quantization else ""))
     print(f"parameters: {num_params:,} ({weight_bytes / 1e9:.2f} GB in {name}"
           + (f" with {args.quantization} projections and their scales)" if args.quantization else ")"))
-    per_token = KVCache.bytes_per_row(cfg, dtype)
-    print(f"KV cache per token: {per_token:,} bytes ({name}, all layers; {per_token * 1000 / 2**20:.1f} MiB per "
+    per_token = KVCache.bytes_per_row(cfg, dtype, kv_dtype=kv_dtype_of(args.kv_cache_dtype))
+    kv_name = f"{args.kv_cache_dtype} with a scale per KV head" if args.kv_cache_dtype else name
+    print(f"KV cache per token: {per_token:,} bytes ({kv_name}, all layers; {per_token * 1000 / 2**20:.1f} MiB per "
           f"1k tokens)")
 
 
@@ -319,7 +324,8 @@ def cmd_bench(args):
     cases = list(bench_cases(args)) if args.bench in ("step", "generate") else []  # checked before the model loads
     llm = llm_from_args(args, max_batch_size=max(getattr(args, "batch_sizes", [32])))
     device_name = torch.cuda.get_device_name(llm.device) if llm.device.type == "cuda" else "cpu"
-    quantization = f", projections in {args.quantization}" if args.quantization else ""
+    quantization = ((f", projections in {args.quantization}" if args.quantization else "")
+                    + (f", KV cache in {args.kv_cache_dtype}" if args.kv_cache_dtype else ""))
     print(f"# bench {args.bench}: {args.model} on {device_name}, {llm.dtype}{quantization}")
     if args.bench == "kernels":
         if llm.device.type != "cuda" and not llm.runner.kernels:

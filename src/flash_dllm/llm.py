@@ -16,7 +16,7 @@ from .engine.llm_engine import LLMEngine
 from .engine.model_runner import ModelRunner
 from .engine.sequence import Sequence
 from .models import load_model, random_model, resolve_checkpoint
-from .models.quantization import check_quantization
+from .models.quantization import check_quantization, kv_dtype_of
 from .sampling_params import SamplingParams
 from .tokenizer import load_tokenizer, special_tokens
 
@@ -106,18 +106,22 @@ class LLM:
     quantization: "fp8": the decoder layers' projections with E4M3 weights (one scale per output channel,
         quantised as the checkpoint loads) and E4M3 inputs (one scale per token, quantised by the kernels that
         produce them); embeddings, norms and the LM head stay in `dtype`. None (default): `dtype` throughout.
+    kv_cache_dtype: "fp8": the cached methods' K and V stored in E4M3 with one scale per token and KV head (about
+        half the bytes: twice the tokens in the same kv_cache_bytes); None (default): in `dtype`.
     """
 
     def __init__(self, model: str | Path | None = None, device: str | None = None,
                  dtype: str | torch.dtype | None = None, max_batch_size: int = 32,
                  chat_template: bool | None = None, seed: int = 0, kv_cache_bytes: int | None = None,
                  kernels: bool | None = None, cuda_graphs: bool | None = None, batch_invariant: bool = False,
-                 quantization: str | None = None):
+                 quantization: str | None = None, kv_cache_dtype: str | None = None):
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.quantization = check_quantization(quantization)
-        if batch_invariant and quantization:  # before the model loads
-            raise ValueError(f"batch_invariant=True is not supported with quantization={quantization!r}")
+        kv_dtype_of(kv_cache_dtype)
+        if batch_invariant and (quantization or kv_cache_dtype):  # before the model loads
+            option = f"quantization={quantization!r}" if quantization else f"kv_cache_dtype={kv_cache_dtype!r}"
+            raise ValueError(f"batch_invariant=True is not supported with {option}")
         spec = str(model) if model is not None else str(default_model_path())
         if spec.startswith(RANDOM_PREFIX):
             self.path = None
@@ -128,7 +132,7 @@ class LLM:
             self.model = load_model(self.path, self.device, self.dtype, quantization)
         self.config = self.model.config
         self.runner = ModelRunner(self.model, kernels=kernels, cuda_graphs=cuda_graphs, kv_cache_bytes=kv_cache_bytes,
-                                  batch_invariant=batch_invariant)
+                                  batch_invariant=batch_invariant, kv_cache_dtype=kv_cache_dtype)
         self.tokenizer = load_tokenizer(self.path, self.model.vocab_merges_tokenizer)
         self.special = special_tokens(self.config, self.path, self.tokenizer)
         has_template = self.tokenizer is not None and bool(getattr(self.tokenizer, "chat_template", None))

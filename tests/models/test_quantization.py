@@ -1,6 +1,7 @@
-"""quantization="fp8": the decoder layers' projections loaded as E4M3 weights with per-channel scales, the model's
-logits close to the unquantised ones, every method running on it, the kernel path giving the PyTorch reference's
-tokens, and the combinations it does not support refused."""
+"""quantization="fp8" and kv_cache_dtype="fp8": the decoder layers' projections loaded as E4M3 weights with
+per-channel scales, the model's logits close to the unquantised ones, every method running with each option and
+both, the kernel path giving the PyTorch reference's tokens, the FP8 cache holding twice the tokens, and the
+combinations they do not support refused."""
 from __future__ import annotations
 
 import pytest
@@ -73,30 +74,53 @@ def test_logits_stay_close_to_the_unquantised_model(preset):
     assert not logits["fp8"].isnan().any() and cosine.min() > 0.995
 
 
+OPTIONS = {"fp8 weights": dict(quantization="fp8"), "fp8 KV": dict(kv_cache_dtype="fp8"),
+           "both": dict(quantization="fp8", kv_cache_dtype="fp8")}
+
+
+@pytest.mark.parametrize("option", OPTIONS)
 @pytest.mark.parametrize("method", sorted(METHODS))
-def test_every_method_runs_with_fp8_weights(gqa_checkpoint, dream, method):
+def test_every_method_runs_with_each_option(gqa_checkpoint, dream, method, option):
     checkpoint = dream if method == "dream" else gqa_checkpoint
-    llm = LLM(checkpoint, device="cpu", dtype="float32", quantization="fp8", kernels=False)
+    llm = LLM(checkpoint, device="cpu", dtype="float32", kernels=False, **OPTIONS[option])
     outputs = llm.generate(PROMPTS, SamplingParams(method=method, max_tokens=8, block_length=8))
     assert all(out.finish_reason in ("stop", "length") and out.nfe > 0 for out in outputs)
 
 
-@pytest.mark.parametrize("checkpoint, knobs", [
-    ("gqa_checkpoint", dict(method="dual-cache")),
-    ("gqa_checkpoint", dict(method="flash-verify", tracking_budget=4, mask_window=8)),
-    ("gqa_checkpoint", dict(method="elastic", mask_window=4)),
-    ("bias_checkpoint", dict(method="dual-cache")),
-    ("dream", dict(method="dual-cache"))], ids=lambda v: v["method"] if isinstance(v, dict) else v)
-def test_kernels_give_the_reference_tokens(request, checkpoint, knobs):
-    """The fused quantising kernels round as the references do, so the tokens are the same (fp32 activations: the
-    interpreter rounds to 16-bit types by truncation)."""
+CACHED = [("gqa_checkpoint", dict(method="dual-cache")),
+          ("gqa_checkpoint", dict(method="flash-verify", tracking_budget=4, mask_window=8)),
+          ("gqa_checkpoint", dict(method="elastic", mask_window=4)),
+          ("gqa_checkpoint", dict(method="dual-cache", kv_routing="kmeans", kv_budget=0.5)),
+          ("bias_checkpoint", dict(method="dual-cache")),
+          ("dream", dict(method="dual-cache"))]
+
+
+@pytest.mark.parametrize("option", OPTIONS)
+@pytest.mark.parametrize("checkpoint, knobs", CACHED,
+                         ids=lambda v: "-".join(map(str, v.values())) if isinstance(v, dict) else v)
+def test_kernels_give_the_reference_tokens(request, checkpoint, knobs, option):
+    """The fused quantising kernels round as the references do, and the attention kernel reads the FP8 cache as the
+    reference dequantises it, so the tokens are the same (fp32 activations: the interpreter rounds to 16-bit types
+    by truncation)."""
     params = SamplingParams(max_tokens=12, block_length=8, threshold=0.5, **knobs)
     outputs = {}
     for kernels in (False, True):
-        llm = LLM(request.getfixturevalue(checkpoint), device="cpu", dtype="float32", quantization="fp8",
-                  kernels=kernels)
+        llm = LLM(request.getfixturevalue(checkpoint), device="cpu", dtype="float32", kernels=kernels,
+                  **OPTIONS[option])
         outputs[kernels] = [out.token_ids for out in llm.generate(PROMPTS, params)]
     assert outputs[True] == outputs[False]
+
+
+def test_fp8_cache_holds_twice_the_tokens(gqa_checkpoint):
+    budget = 1 << 20
+    rows = {}
+    for kv_cache_dtype in (None, "fp8"):
+        llm = LLM(gqa_checkpoint, device="cpu", dtype="bfloat16", kv_cache_bytes=budget, kv_cache_dtype=kv_cache_dtype)
+        llm.generate(PROMPTS[0], SamplingParams(method="dual-cache", max_tokens=8, block_length=8))
+        cache = llm.runner.cache
+        rows[kv_cache_dtype] = cache.num_rows
+        assert cache.nbytes <= budget + cache.nbytes // (cache.num_rows + 1)  # + the scratch row
+    assert rows["fp8"] / rows[None] > 1.55  # head_dim 16: 32 / (16 + 4) bytes a head (1.94 at head_dim 128)
 
 
 def test_unsupported_combinations_are_refused(gqa_checkpoint, tmp_path):
@@ -104,6 +128,10 @@ def test_unsupported_combinations_are_refused(gqa_checkpoint, tmp_path):
         LLM(gqa_checkpoint, device="cpu", quantization="int4")
     with pytest.raises(ValueError, match="batch_invariant=True is not supported with quantization='fp8'"):
         LLM(gqa_checkpoint, device="cpu", quantization="fp8", batch_invariant=True)
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of fp8 or None, got 'int8'"):
+        LLM(gqa_checkpoint, device="cpu", kv_cache_dtype="int8")
+    with pytest.raises(ValueError, match="batch_invariant=True is not supported with kv_cache_dtype='fp8'"):
+        LLM(gqa_checkpoint, device="cpu", kv_cache_dtype="fp8", batch_invariant=True)
     with pytest.raises(ValueError, match="save the original checkpoint"):
         save_checkpoint(load_model(gqa_checkpoint, quantization="fp8"), tmp_path, {})
 

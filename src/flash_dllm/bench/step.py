@@ -83,9 +83,11 @@ def bench_step(llm, params: SamplingParams, batch: int, prompt_length: int, warm
         gc.collect()  # the previous call's engine (its cache, its graphs) sits in reference cycles until collected
         torch.cuda.reset_peak_memory_stats(device)
     method = method_of(params.method)
-    cache_bytes = batch * length * KVCache.bytes_per_row(cfg, llm.dtype, with_hidden=method.caches_hidden_states)
+    cache_bytes = batch * length * KVCache.bytes_per_row(cfg, llm.dtype, with_hidden=method.caches_hidden_states,
+                                                         kv_dtype=llm.runner.kv_dtype)
     runner = ModelRunner(llm.model, kernels=llm.runner.kernels, cuda_graphs=llm.runner.cuda_graphs,
-                         kv_cache_bytes=cache_bytes, batch_invariant=llm.runner.batch_invariant)
+                         kv_cache_bytes=cache_bytes, batch_invariant=llm.runner.batch_invariant,
+                         kv_cache_dtype=llm.runner.kv_cache_dtype)
     engine = LLMEngine(runner, dataclasses.replace(llm.special, stop_ids=()), batch)
     for p in prompts:
         engine.add_request(p.tolist(), params)
@@ -108,7 +110,7 @@ def bench_step(llm, params: SamplingParams, batch: int, prompt_length: int, warm
     resident += runner.cache.nbytes if runner.cache is not None else 0  # methods without a cache
     keys = length - prompt_length * (1 - read)  # read per request and pass
     num_bytes, flops = iteration_cost(cfg, batch, keys, rows, passes, weight_bytes_read(llm.model),
-                                      KVCache.bytes_per_row(cfg, llm.dtype))
+                                      KVCache.bytes_per_row(cfg, llm.dtype, kv_dtype=llm.runner.kv_dtype))
     memory_s, compute_s, _ = floor_seconds(num_bytes, flops)
     routing = f"{params.kv_routing} {params.kv_budget:g}" if params.kv_routing else "dense"
     return StepResult(params.method, routing, batch, params.block_length if method.uses_blocks else None, ms,

@@ -24,7 +24,7 @@ from ..cache.routing import PromptRouting
 from ..decoding.base import check, check_type
 from ..models.base import DiffusionLM
 from ..models.loader import available_memory
-from ..models.quantization import Fp8Linear
+from ..models.quantization import Fp8Linear, kv_dtype_of
 from .cuda_graphs import MAX_GRAPH_ROWS, CudaGraphs
 from .warmup import compile_kernels
 
@@ -87,7 +87,7 @@ class ModelRunner:
     every kernel)."""
 
     def __init__(self, model: DiffusionLM, kernels: bool | None = None, cuda_graphs: bool | None = None,
-                 kv_cache_bytes: int | None = None, batch_invariant: bool = False):
+                 kv_cache_bytes: int | None = None, batch_invariant: bool = False, kv_cache_dtype: str | None = None):
         weights = next(model.parameters())
         self.model, self.device, self.dtype = model, weights.device, weights.dtype
         on_cuda = self.device.type == "cuda"
@@ -101,6 +101,13 @@ class ModelRunner:
         if batch_invariant and self.quantized:
             raise ValueError("batch_invariant=True is not supported with quantization='fp8': the FP8 GEMMs are "
                              "cuBLAS's, whose sums follow the batch's shape")
+        self.kv_cache_dtype, self.kv_dtype = kv_cache_dtype, kv_dtype_of(kv_cache_dtype)
+        if batch_invariant and self.kv_dtype is not None:
+            raise ValueError(f"batch_invariant=True is not supported with kv_cache_dtype={kv_cache_dtype!r}")
+        if self.kv_dtype is not None and on_cuda and torch.cuda.get_device_capability(self.device) < (8, 9):
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} needs a GPU with FP8 support (compute capability "
+                             f"8.9 or later: Ada, Hopper); {torch.cuda.get_device_name(self.device)} has "
+                             f"{'.'.join(map(str, torch.cuda.get_device_capability(self.device)))}")
         self.batch_invariant = batch_invariant
         self.invariant_gemms = batch_invariant and self.kernels  # the GEMMs through kernels/invariant_matmul.py
         if cuda_graphs and not (self.kernels and on_cuda):
@@ -108,7 +115,8 @@ class ModelRunner:
         self.cuda_graphs = self.kernels and on_cuda if cuda_graphs is None else cuda_graphs
         check_type("kv_cache_bytes", kv_cache_bytes, "int | None")
         if kv_cache_bytes is not None:
-            per_row, dtype = KVCache.bytes_per_row(model.config, self.dtype), str(self.dtype).removeprefix("torch.")
+            per_row = KVCache.bytes_per_row(model.config, self.dtype, kv_dtype=self.kv_dtype)
+            dtype = str(self.kv_dtype or self.dtype).removeprefix("torch.")
             check(kv_cache_bytes >= per_row, f"kv_cache_bytes must hold at least one token's row of the KV cache, "
                                              f"{per_row:,} bytes for this model in {dtype}, got {kv_cache_bytes:,}")
             free = available_memory(self.device)
@@ -137,7 +145,8 @@ class ModelRunner:
             budget = int(0.4 * available) if available is not None else 1 << 30
             if self.device.type != "cuda":  # the CPU's memory also holds everything else: at most 1 GiB
                 budget = min(budget, 1 << 30)
-        self.cache = KVCache.from_budget(self.model.config, budget, self.dtype, self.device, with_hidden=with_hidden)
+        self.cache = KVCache.from_budget(self.model.config, budget, self.dtype, self.device, with_hidden=with_hidden,
+                                         kv_dtype=self.kv_dtype)
         if self.kernels and self.device.type == "cuda":
             compile_kernels(self.model, self.cache, ordered=self.batch_invariant)
         if self.cuda_graphs:

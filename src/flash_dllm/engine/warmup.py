@@ -82,7 +82,7 @@ def cached_passes(model, cache: KVCache, row_counts: tuple[int, ...], request_co
     passes = [functools.partial(cached_pass, model, cache, rows, requests, kv, kind, ordered)
               for rows, requests in itertools.product(row_counts, request_counts) if rows <= cache.num_rows
               for kv in sorted({rows, max(rows, long_kv)}) for kind in PASS_KINDS]
-    for dtype in {torch.float32, cache.k[0].dtype}:  # the sampler's: full passes' fp32 logits, cached passes' own
+    for dtype in {torch.float32, cache.dtype}:  # the sampler's: full passes' fp32 logits, cached passes' own
         passes.append(functools.partial(greedy_tokens, torch.zeros(1, model.config.vocab_size, dtype=dtype,
                                                                    device=device), mask_id=0))
     return passes

@@ -20,7 +20,7 @@ from ..cache.routing import CHUNK, count_in_full, route, update_kmeans
 from ..kernels.attention import ordered_attention_in_chunks, ragged_attention_ref
 from ..kernels.chunk_summaries import write_chunk_summaries
 from ..kernels.flash_attention import flash_attention
-from ..kernels.fp8 import Fp8Rows, ScaledProduct, add_dequantized, dequantize_ref, quantize_rows
+from ..kernels.fp8 import Fp8Rows, ScaledProduct, add_dequantized, quantize_rows
 from ..kernels.fused_qkv_rope import qkv_rope
 from ..kernels.invariant_matmul import invariant_matmul
 from ..kernels.rope_cache_write import rope_cache_write
@@ -175,12 +175,11 @@ class Attention(nn.Module):
         q = apply_rotary(q.view(N, self.num_heads, self.head_dim), rope.cos, rope.sin)
         k = apply_rotary(k.view(N, self.num_kv_heads, self.head_dim), rope.cos, rope.sin)
         v = v.view(N, self.num_kv_heads, self.head_dim)
-        k_cache, v_cache = cache.k[self.layer], cache.v[self.layer]
         if metadata.write_cache:
-            k_cache[metadata.slot_mapping], v_cache[metadata.slot_mapping] = k, v
+            cache.write(self.layer, metadata.slot_mapping, k, v)
         own = {} if metadata.write_cache else dict(k_new=k, v_new=v)
-        out = ragged_attention_ref(q, k_cache, v_cache, metadata, key_mass, **self._routed(q, cache, metadata, False),
-                                   **own)
+        out = ragged_attention_ref(q, cache.k[self.layer], cache.v[self.layer], metadata, key_mass,
+                                   **self._routed(q, cache, metadata, False), **own, **cache.scales(self.layer))
         return self.o_proj(out.reshape(N, -1))
 
     def _routed(self, q: torch.Tensor, cache: KVCache, metadata: AttentionMetadata, kernels: bool) -> dict:
@@ -190,22 +189,23 @@ class Attention(nn.Module):
         reference's, from the cache."""
         if metadata.routing is None:
             return {}
+        scales = cache.scales(self.layer)
         if kernels:
             summaries = cache.chunk_summaries(CHUNK)[self.layer]
             if metadata.write_cache:
                 written = metadata.routing.written_chunks(metadata, cache.scratch_row)
-                write_chunk_summaries(cache.k[self.layer], summaries, *written)
+                write_chunk_summaries(cache.k[self.layer], summaries, *written, scales.get("k_scale"))
         kmeans = None
         if "kmeans" in metadata.routing.policies:
             kmeans = tuple(part[self.layer] for part in cache.kmeans_regions(CHUNK))
             if metadata.write_cache:
-                update_kmeans(cache.k[self.layer], cache.v[self.layer], *kmeans, metadata)
+                update_kmeans(cache.k[self.layer], cache.v[self.layer], *kmeans, metadata, **scales)
         if metadata.routing.read_in_full:  # a full pass: the dense attention
             count_in_full(metadata, self.num_kv_heads)
             return {}
         if kernels:
             return dict(routed=route_chunks(q, summaries, metadata, self.layer, kmeans))
-        return dict(key_visible=route(q, cache.k[self.layer], metadata, self.layer, kmeans))
+        return dict(key_visible=route(q, cache.k[self.layer], metadata, self.layer, kmeans, scales.get("k_scale")))
 
     def forward_cached_fp8(self, x: Fp8Rows, rope: Rotary, metadata: AttentionMetadata, cache: KVCache,
                            key_mass: torch.Tensor | None) -> ScaledProduct:
@@ -214,25 +214,29 @@ class Attention(nn.Module):
         return self.o_proj.product(quantize_rows(self._kernel_attention(x, rope, metadata, cache, key_mass).flatten(1)))
 
     def _kernel_attention(self, x: torch.Tensor | Fp8Rows, rope, metadata, cache, key_mass) -> torch.Tensor:
-        k_cache, v_cache = cache.k[self.layer], cache.v[self.layer]
+        """The QKV projection, RoPE and cache write, then the flash attention. With an FP8 cache (cache.scales) the
+        writers quantise K and V and the attention reads them with their scales."""
+        k_cache, v_cache, scales = cache.k[self.layer], cache.v[self.layer], cache.scales(self.layer)
         if isinstance(x, Fp8Rows):  # the FP8 GEMM, then RoPE and the cache write scaling its product
             qkv = self.qkv_proj.product(x)
-            write_qkv = lambda slots, k_out, v_out: rope_cache_write(
-                dequantize_ref(qkv, qkv.values.dtype), rope.positions, slots, k_out, v_out, self.num_heads,
-                self.rope_theta)
+            write_qkv = lambda slots, k_out, v_out, **out_scales: rope_cache_write(
+                qkv.values, rope.positions, slots, k_out, v_out, self.num_heads, self.rope_theta,
+                dequant=(qkv.row_scale, qkv.col_scale), bias=qkv.bias, **out_scales)
         else:
-            write_qkv = lambda slots, k_out, v_out: qkv_rope(
+            write_qkv = lambda slots, k_out, v_out, **out_scales: qkv_rope(
                 x, self.qkv_proj.weight, self.qkv_proj.bias, rope.positions, slots, k_out, v_out, self.num_heads,
-                self.rope_theta, invariant=metadata.ordered)
+                self.rope_theta, invariant=metadata.ordered, **out_scales)
         if metadata.write_cache:
-            q = write_qkv(metadata.slot_mapping, k_cache, v_cache)
-            return flash_attention(q, k_cache, v_cache, metadata, key_mass, **self._routed(q, cache, metadata, True))
-        # A pass that must not write the cache (verify): its own K/V go to fresh rows.
-        N = x.values.shape[0] if isinstance(x, Fp8Rows) else x.shape[0]
-        k_new, v_new = (k_cache.new_empty(N, self.num_kv_heads, self.head_dim) for _ in range(2))
+            q = write_qkv(metadata.slot_mapping, k_cache, v_cache, **scales)
+            return flash_attention(q, k_cache, v_cache, metadata, key_mass, **self._routed(q, cache, metadata, True),
+                                   **scales)
+        # A pass that must not write the cache (verify): its own K/V go to fresh rows, in the model's dtype.
+        N = rope.positions.shape[0]
+        k_new, v_new = (torch.empty(N, self.num_kv_heads, self.head_dim, dtype=cache.dtype, device=k_cache.device)
+                        for _ in range(2))
         q = write_qkv(torch.arange(N, device=k_cache.device), k_new, v_new)
         return flash_attention(q, k_cache, v_cache, metadata, key_mass, k_new=k_new, v_new=v_new,
-                               **self._routed(q, cache, metadata, True))
+                               **self._routed(q, cache, metadata, True), **scales)
 
 
 # A pass over more rows runs its MLP in row chunks: the [rows, 2 x intermediate] activation is a long pass's largest

@@ -1,4 +1,5 @@
-"""Weight quantisation (`quantization="fp8"`): the decoder layers' linear projections with E4M3 weights, one scale per
+"""Quantisation options: `kv_cache_dtype="fp8"` (the KV cache in E4M3, cache/kv_cache.py) and weight quantisation
+(`quantization="fp8"`): the decoder layers' linear projections with E4M3 weights, one scale per
 output channel, quantised as the checkpoint's tensors are loaded (or drawn); their inputs are quantised per row
 dynamically. The embeddings, the norms and the LM head keep the model's dtype.
 
@@ -13,12 +14,20 @@ from torch import nn
 from ..kernels.fp8 import FP8, Fp8Rows, ScaledProduct, dequantize_ref, fp8_product, quantize_rows_ref
 
 QUANTIZATIONS = ("fp8",)
+KV_CACHE_DTYPES = {"fp8": FP8}  # kv_cache_dtype -> the cache's K/V dtype (cache/kv_cache.py; else the model's)
 
 
 def check_quantization(quantization: str | None) -> str | None:
     if quantization not in (None, *QUANTIZATIONS):
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)} or None, got {quantization!r}")
     return quantization
+
+
+def kv_dtype_of(kv_cache_dtype: str | None) -> torch.dtype | None:
+    """The KV cache's K/V dtype for kv_cache_dtype (None: the model's)."""
+    if kv_cache_dtype not in (None, *KV_CACHE_DTYPES):
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)} or None, got {kv_cache_dtype!r}")
+    return KV_CACHE_DTYPES.get(kv_cache_dtype)
 
 
 class Fp8Linear(nn.Module):
