@@ -2,8 +2,8 @@
 
 logits   random LLaDA-8B and Dream-7B weights (bf16, the same draw quantised): the full forward's logits of random
          prompts, per-row cosine (median, 1st percentile, min) and relative error, and how often the argmax agrees;
-tasks    the embedded model on its tasks (arith, trace, passkey, multikey), every cached method: accuracy with each
-         option beside the unquantised one, with 95% Wilson intervals.
+tasks    the embedded model on its tasks (arith, trace, passkey, multikey), every cached method: accuracy with FP8
+         weights, FP8 KV and both, beside bf16's, with 95% Wilson intervals.
 
     PYTHONPATH=src python benchmarks/fp8_accuracy.py logits --presets llada-8b dream-7b
     PYTHONPATH=src python benchmarks/fp8_accuracy.py tasks --items 200
@@ -26,7 +26,8 @@ from flash_dllm.markdown import markdown_table
 from flash_dllm.models import random_model
 from flash_dllm.tasks import RETRIEVAL_TASKS, answer_length, load_test_set
 
-OPTIONS = {"bf16": {}, "fp8 weights": dict(quantization="fp8")}
+OPTIONS = {"bf16": {}, "fp8 weights": dict(quantization="fp8"), "fp8 KV": dict(kv_cache_dtype="fp8"),
+           "both": dict(quantization="fp8", kv_cache_dtype="fp8")}
 
 
 @torch.inference_mode()
@@ -67,7 +68,7 @@ def wilson(correct: int, n: int, z: float = 1.96) -> tuple[float, float]:
     return (centre - half) / (1 + z * z / n), (centre + half) / (1 + z * z / n)
 
 
-def task_rows(methods: list[str], tasks: list[str], items: int, device: str) -> list[tuple]:
+def task_rows(methods: list[str], tasks: list[str], items: int, device: str, options: list[str]) -> list[tuple]:
     test_sets = {}
     for task in tasks:
         test_set = load_test_set(task)
@@ -76,8 +77,8 @@ def task_rows(methods: list[str], tasks: list[str], items: int, device: str) -> 
             test_set = [item for item in test_set if item.length == shortest]
         test_sets[task] = test_set[:items]
     variants, rows, accuracy = demo_variants(), [], {}
-    for option, kwargs in OPTIONS.items():
-        llm = LLM(device=device, **kwargs)
+    for option in options:
+        llm = LLM(device=device, **OPTIONS[option])
         for method in methods:
             for task, test_set in test_sets.items():
                 params = SamplingParams(max_tokens=answer_length(task), **variants[method])
@@ -85,7 +86,7 @@ def task_rows(methods: list[str], tasks: list[str], items: int, device: str) -> 
                 r = run_task(llm, task, method, test_set, params)
                 accuracy[option, method, task] = r.accuracy
                 low, high = wilson(r.num_correct, r.num_items)
-                delta = 100 * (r.accuracy - accuracy["bf16", method, task])
+                delta = 100 * (r.accuracy - accuracy.get(("bf16", method, task), r.accuracy))
                 rows.append((option, method, task, f"{r.num_correct}/{r.num_items}", f"{100 * r.accuracy:.1f}",
                              f"[{100 * low:.1f}, {100 * high:.1f}]", f"{delta:+.1f}", f"{r.tokens_per_step:.2f}"))
                 print(" | ".join(rows[-1]), file=sys.stderr, flush=True)
@@ -104,6 +105,7 @@ def main():
     parser.add_argument("--methods", nargs="+", default=["dual-cache", "flash-cache", "flash-verify", "elastic"])
     parser.add_argument("--tasks", nargs="+", default=["arith", "trace", "passkey", "multikey"])
     parser.add_argument("--items", type=int, default=200)
+    parser.add_argument("--options", nargs="+", choices=list(OPTIONS), default=list(OPTIONS))
     args = parser.parse_args()
     start = time.perf_counter()
     if args.gate == "logits":
@@ -112,7 +114,8 @@ def main():
                              logits_rows(args.presets, args.batch, args.length, args.device)))
     else:
         print(markdown_table(("option", "method", "task", "correct", "accuracy %", "95% interval", "vs bf16",
-                              "tokens/step"), task_rows(args.methods, args.tasks, args.items, args.device)))
+                              "tokens/step"), task_rows(args.methods, args.tasks, args.items, args.device,
+                                                                args.options)))
     print(f"# {time.perf_counter() - start:.0f} s", file=sys.stderr)
 
 

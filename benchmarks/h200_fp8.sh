@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Issue 38's device runs, each step bounded in time and logged to $OUT (PART picks which):
-#   PART=check  the GPU tests of the FP8 kernels and the kernel path; `bench kernels --quantization fp8` (the kernels
-#               around the FP8 GEMMs, and each GEMM against cuBLAS bf16 and its weight-read floor); `bench generate`
-#               at batch 1, bf16 then fp8; the logits gate (benchmarks/fp8_accuracy.py logits)
-#   PART=b32    `bench generate` at batch 32, bf16 then fp8; the embedded tasks' accuracy gate
+#   PART=check  the GPU tests of the FP8 kernels (activations, KV cache) and of the kernel path and the warm-up;
+#               `bench kernels --quantization fp8` (the kernels around the FP8 GEMMs, and each GEMM against cuBLAS bf16
+#               and its weight-read floor, CUDA-graph timed); `bench generate` at batch 1: bf16, fp8 weights, both
+#   PART=b32    `bench generate` at batch 32: bf16, fp8 weights, both
+#   PART=gates  the accuracy gates (benchmarks/fp8_accuracy.py: the embedded tasks, the logits)
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src
@@ -11,18 +12,26 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAM
   local name=$1 limit=$2; shift 2
   timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1; echo "## $name (rc $?)"; tail -n "${TAIL:-4}" "$OUT/$name.txt"
 }
-gen() {  # gen NAME SECONDS BATCH METHODS... [-- OPTIONS...]
+gen() {  # gen NAME SECONDS BATCH [OPTIONS...]: the three methods of the speed targets
   local name=$1 limit=$2 batch=$3; shift 3
-  TAIL=${TAIL:-8} step "$name" "$limit" python -m flash_dllm.cli bench generate --batch-sizes "$batch" --methods "$@"
+  TAIL=5 step "$name" "$limit" python -m flash_dllm.cli bench generate --batch-sizes "$batch" \
+      --methods dual-cache flash-cache flash-verify "$@"
 }
-if [ "${PART:-check}" = check ]; then
-  step gpu_tests 150 python -m pytest -q -p no:cacheprovider tests/kernels/test_fp8.py tests/kernels/test_rms_norm.py \
-      tests/kernels/test_silu_mul.py tests/models/test_kernel_path.py
-  TAIL=40 step kernels 120 python -m flash_dllm.cli bench kernels --quantization fp8 --batch-sizes 1 32 --rows 144
-  TAIL=8 gen gen_b1_bf16 100 1 dual-cache flash-cache flash-verify
-  TAIL=8 gen gen_b1_fp8 100 1 dual-cache flash-cache flash-verify --quantization fp8
-  TAIL=8 step logits 200 python benchmarks/fp8_accuracy.py logits
-else
-  TAIL=8 gen gen_b32_bf16 260 32 dual-cache flash-cache flash-verify
-  TAIL=8 gen gen_b32_fp8 200 32 dual-cache flash-cache flash-verify --quantization fp8
-fi
+case "${PART:-check}" in
+check)
+  step gpu_tests 150 python -m pytest -q -p no:cacheprovider tests/kernels/test_fp8.py tests/kernels/test_kv_fp8.py \
+      tests/kernels/test_rope_cache_write.py tests/kernels/test_fused_qkv_rope.py tests/kernels/test_flash_attention.py \
+      tests/kernels/test_chunk_summaries.py tests/kernels/test_drift_cosine.py tests/models/test_kernel_path.py \
+      tests/engine/test_warmup.py
+  TAIL=30 step kernels 100 python -m flash_dllm.cli bench kernels --quantization fp8 --batch-sizes 1 32 --rows 144
+  gen b1_bf16 60 1
+  gen b1_fp8 60 1 --quantization fp8
+  gen b1_both 60 1 --quantization fp8 --kv-cache-dtype fp8 ;;
+b32)
+  gen b32_bf16 230 32
+  gen b32_fp8 160 32 --quantization fp8
+  gen b32_both 160 32 --quantization fp8 --kv-cache-dtype fp8 ;;
+gates)
+  TAIL=70 step tasks 330 python benchmarks/fp8_accuracy.py tasks --items 200
+  TAIL=12 step logits 100 python benchmarks/fp8_accuracy.py logits ;;
+esac
