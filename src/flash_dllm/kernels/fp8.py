@@ -11,6 +11,7 @@ the product applies the two scales and the bias: RoPE's (rope_cache_write), SiLU
 from __future__ import annotations
 
 import functools
+import os
 from typing import NamedTuple
 
 import torch
@@ -23,6 +24,7 @@ except ImportError:  # the references work without triton; only the kernels need
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
+INV_FP8_MAX = 1 / FP8_MAX
 MIN_AMAX = 1e-12  # an all-zero row gets a tiny positive scale, and its values quantise to 0
 
 
@@ -46,9 +48,12 @@ class ScaledProduct(NamedTuple):
 
 
 def quantize_rows_ref(x: torch.Tensor) -> Fp8Rows:
-    """x [..., K] -> values [..., K] E4M3 and scale [...] fp32, scale = max(amax(|row|), MIN_AMAX) / 448."""
+    """x [..., K] -> values [..., K] E4M3 and scale [...] fp32, scale = max(amax(|row|), MIN_AMAX) * (1 / 448) (a
+    product, not a quotient: PyTorch divides a CUDA tensor by a scalar as a product by its reciprocal, so only the
+    product is the same on every device and in the kernels; the row's largest value may then land a hair beyond 448,
+    which the clamp takes back)."""
     x32 = x.float()
-    scale = x32.abs().amax(-1).clamp(min=MIN_AMAX) / FP8_MAX
+    scale = x32.abs().amax(-1).clamp(min=MIN_AMAX) * INV_FP8_MAX
     return Fp8Rows((x32 / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale)
 
 
@@ -121,12 +126,13 @@ if triton is not None:
         return b_out
 
     # the globals a kernel reads must be constexpr
-    _FP8_MAX, _MIN_AMAX = tl.constexpr(FP8_MAX), tl.constexpr(MIN_AMAX)
+    _FP8_MAX, _INV_FP8_MAX, _MIN_AMAX = tl.constexpr(FP8_MAX), tl.constexpr(INV_FP8_MAX), tl.constexpr(MIN_AMAX)
+    _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")  # read when the kernels are defined
 
     @triton.jit
     def scale_of(amax):
         """A row's scale from the amax of its values (fp32), as quantize_rows_ref's."""
-        return tl.div_rn(tl.maximum(amax, _MIN_AMAX), _FP8_MAX)
+        return tl.maximum(amax, _MIN_AMAX) * _INV_FP8_MAX
 
     @triton.jit
     def quantized(b_x, scale):
@@ -136,10 +142,13 @@ if triton is not None:
 
     @triton.jit
     def e4m3_round(x):
-        """fp32 x within +-448 -> the nearest E4M3 value, ties to even, in fp32: |x| over the E4M3 step of its binade
-        (2^(exponent - 3), the subnormals' 2^-9 at least; an exact division) rounded to an integer by adding and
-        subtracting 1.5 * 2^23, times the step; then x's sign (-0.0 included). The GPU's cast rounds the same way;
-        Triton's interpreter does not carry a rounded-up mantissa into the exponent (Triton 3.9: 124.1 -> 64)."""
+        """fp32 x within +-448 -> the nearest E4M3 value, ties to even, in fp32, for the cast that stores it. On the
+        GPU the cast rounds so itself (x unchanged). Interpreted: |x| over the E4M3 step of its binade (2^(exponent -
+        3), the subnormals' 2^-9 at least; an exact division) rounded to an integer by adding and subtracting
+        1.5 * 2^23, times the step; then x's sign (-0.0 included); the interpreter's own cast does not carry a
+        rounded-up mantissa into the exponent (Triton 3.9: 124.1 -> 64)."""
+        if not _INTERPRETED:
+            return x
         bits = x.to(tl.int32, bitcast=True)
         step = tl.maximum((bits & 0x7F800000).to(tl.float32, bitcast=True), 0.015625) * 0.125
         rounded = ((tl.div_rn(tl.abs(x), step) + 12582912.0) - 12582912.0) * step

@@ -64,7 +64,7 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, p
                             rope_theta, **scales)
 
 
-def launch_config(num_rows: int, half: int, whole_heads: bool = False) -> dict:
+def launch_config(num_rows: int, half: int, whole_heads: bool = False, fp32: bool = False) -> dict:
     """Tile sizes by row count, tuned on the H200 at LLaDA-8B shapes (benchmarks/tune_kernels.py). whole_heads:
     a program holds whole heads (an fp8 cache's scale is the amax of a head; not tuned)."""
     block_half = max(16, triton.next_power_of_2(half))
@@ -73,7 +73,7 @@ def launch_config(num_rows: int, half: int, whole_heads: bool = False) -> dict:
                     BLOCK_HALF=block_half if whole_heads else min(16, block_half), BLOCK_K=128, num_warps=4,
                     num_stages=4)
     return dict(BLOCK_N=min(128, triton.next_power_of_2(num_rows)), BLOCK_HALF=block_half, BLOCK_K=64,
-                num_warps=8, num_stages=4)
+                num_warps=8, num_stages=2 if fp32 else 4)  # fp32 tiles of whole 128-wide heads: 4 stages overflow
 
 
 def fused_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
@@ -91,7 +91,7 @@ def fused_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         return q
     fp8 = scale_arguments(k_cache, v_cache, k_scale, v_scale)
     half = head_dim // 2
-    config = launch_config(N, half, whole_heads=fp8.on)
+    config = launch_config(N, half, whole_heads=fp8.on, fp32=x.dtype == torch.float32)
     chunks = triton.cdiv(half, config["BLOCK_HALF"])
     grid = (triton.cdiv(N, config["BLOCK_N"]), (num_heads + 2 * num_kv_heads) * chunks)
     _fused_qkv_rope_kernel[grid](
