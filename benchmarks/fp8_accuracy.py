@@ -1,12 +1,12 @@
 """Issue 38's accuracy gates, in one process: FP8 against the model's dtype.
 
-logits   random LLaDA-8B and Dream-7B weights (bf16, the same draw quantised): the full forward's logits of random
-         prompts, per-row cosine (median, 1st percentile, min) and relative error, and how often the argmax agrees;
+logits   random LLaDA-8B and Dream-7B weights (bf16, the same draw quantised), or the trained embedded model
+         (`--presets embedded`): the full forward's logits of random prompts, per-row cosine (median, 1st percentile, min) and relative error, and how often the argmax agrees;
 tasks    the embedded model on its tasks (arith, trace, passkey, multikey), every cached method: accuracy with FP8
          weights, FP8 KV and both, beside the unquantised model's (bf16 on the GPU, fp32 on the CPU), with 95% Wilson
          intervals.
 
-    PYTHONPATH=src python benchmarks/fp8_accuracy.py logits --presets llada-8b dream-7b
+    PYTHONPATH=src python benchmarks/fp8_accuracy.py logits --presets llada-8b dream-7b embedded
     PYTHONPATH=src python benchmarks/fp8_accuracy.py tasks --items 200
 """
 from __future__ import annotations
@@ -24,9 +24,11 @@ from flash_dllm import LLM, SamplingParams
 from flash_dllm.cli import demo_variants
 from flash_dllm.eval.embedded import run_task
 from flash_dllm.markdown import markdown_table
-from flash_dllm.models import random_model
+from flash_dllm.llm import default_model_path
+from flash_dllm.models import load_model, random_model
 from flash_dllm.tasks import RETRIEVAL_TASKS, answer_length, load_test_set
 
+EMBEDDED = "embedded"  # the trained embedded model, where the random presets' depth amplifies every rounding
 OPTIONS = {"unquantised": {}, "fp8 weights": dict(quantization="fp8"), "fp8 KV": dict(kv_cache_dtype="fp8"),
            "both": dict(quantization="fp8", kv_cache_dtype="fp8")}
 
@@ -40,7 +42,8 @@ def logits_rows(presets: list[str], batch: int, length: int, device: str) -> lis
         logits = {}
         for name, quantization in (("fp32", None), ("bf16", None), ("fp8 weights", "fp8")):
             # fp32: the bf16 draw cast up (CUDA's normal_ draws other values into an fp32 tensor of some shapes)
-            model = random_model(preset, device, torch.bfloat16, seed=0, quantization=quantization)
+            model = (load_model(default_model_path(), device, torch.bfloat16, quantization) if preset == EMBEDDED
+                     else random_model(preset, device, torch.bfloat16, seed=0, quantization=quantization))
             if name == "fp32":
                 model = model.float()
             ids = torch.randint(0, model.config.vocab_size, (batch, length), generator=torch.Generator().manual_seed(1))
@@ -100,7 +103,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("gate", choices=["logits", "tasks"])
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--presets", nargs="+", default=["llada-8b", "dream-7b"])
+    parser.add_argument("--presets", nargs="+", default=["llada-8b", "dream-7b", EMBEDDED])
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--length", type=int, default=512)
     parser.add_argument("--methods", nargs="+", default=["dual-cache", "flash-cache", "flash-verify", "elastic"])
