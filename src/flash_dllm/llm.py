@@ -16,7 +16,7 @@ from .engine.llm_engine import LLMEngine
 from .engine.model_runner import ModelRunner
 from .engine.sequence import Sequence
 from .models import load_model, random_model, resolve_checkpoint
-from .models.quantization import check_quantization, kv_dtype_of
+from .models.quantization import check_options
 from .sampling_params import SamplingParams
 from .tokenizer import load_tokenizer, special_tokens
 
@@ -117,11 +117,8 @@ class LLM:
                  quantization: str | None = None, kv_cache_dtype: str | None = None):
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        self.quantization = check_quantization(quantization)
-        kv_dtype_of(kv_cache_dtype)
-        if batch_invariant and (quantization or kv_cache_dtype):  # before the model loads
-            option = f"quantization={quantization!r}" if quantization else f"kv_cache_dtype={kv_cache_dtype!r}"
-            raise ValueError(f"batch_invariant=True is not supported with {option}")
+        check_options(quantization, kv_cache_dtype, batch_invariant)  # before the model loads
+        self.quantization = quantization
         spec = str(model) if model is not None else str(default_model_path())
         if spec.startswith(RANDOM_PREFIX):
             self.path = None

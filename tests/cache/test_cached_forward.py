@@ -10,8 +10,9 @@ import torch
 from flash_dllm import load_model
 from flash_dllm.cache import CacheAllocator, KVCache
 from flash_dllm.cache.attention_metadata import AttentionMetadata
-from flash_dllm.decoding.elastic import cached_keys
-from flash_dllm.kernels.kv_fp8 import dequantize_kv, quantize_kv
+from flash_dllm.decoding.elastic import layer_keys
+from flash_dllm.kernels.fp8 import quantize_rows_ref
+from flash_dllm.kernels.kv_fp8 import dequantize_kv
 
 
 def rel_err(a, b):
@@ -128,16 +129,16 @@ def test_fp8_cache_budget_holds_about_twice_the_rows(model):
 
 
 def test_an_fp8_cache_stores_each_head_quantised(model):
-    """KVCache.write (the PyTorch path's) stores quantize_kv's values and scales; Elastic-Cache reads the keys back
-    dequantised, in the model's dtype."""
+    """KVCache.write (the PyTorch path's) stores quantize_rows_ref's values and scales; Elastic-Cache reads the keys
+    back dequantised, in the model's dtype."""
     cfg = model.config
     cache = KVCache(cfg, 8, torch.float32, "cpu", kv_dtype=torch.float8_e4m3fn)
     k, v = (torch.randn(3, cfg.num_kv_heads, cfg.head_dim, generator=torch.Generator().manual_seed(i)) for i in (0, 1))
     slots = torch.tensor([5, 0, 2])
     cache.write(1, slots, k, v)
     for values, scale, rows in ((cache.k[1], cache.k_scale[1], k), (cache.v[1], cache.v_scale[1], v)):
-        expected, expected_scale = quantize_kv(rows)
+        expected, expected_scale = quantize_rows_ref(rows)
         assert torch.equal(values[slots].view(torch.uint8), expected.view(torch.uint8))
         assert torch.equal(scale[slots], expected_scale) and not values[[1, 3, 4]].float().any()
-    keys = cached_keys(cache, 1, slots)
-    assert keys.dtype == torch.float32 and torch.equal(keys, dequantize_kv(*quantize_kv(k), torch.float32))
+    keys = layer_keys(cache, 1, slots)
+    assert keys.dtype == torch.float32 and torch.equal(keys, dequantize_kv(*quantize_rows_ref(k), torch.float32))

@@ -12,7 +12,8 @@ from types import SimpleNamespace
 from flash_dllm.cache.regions import kmeans_assignment, region_summaries
 from flash_dllm.cache.routing import (CHUNK, POLICIES, SINKS, WINDOW, PromptRouting, chunks_opened, route,
                                       summarise, update_kmeans, visible_keys)
-from flash_dllm.kernels.kv_fp8 import dequantize_kv, quantize_kv
+from flash_dllm.kernels.fp8 import quantize_rows_ref
+from flash_dllm.kernels.kv_fp8 import dequantize_kv
 
 B, K, HKV, GROUP, D = 3, 300, 2, 2, 8
 PROMPT = [260, 260, 200]
@@ -112,7 +113,7 @@ def kmeans_cache(fp8: bool = False):
     k, v = (torch.randn(B * SPAN + 1, HKV, D, generator=g) for _ in range(2))
     scales = {}
     if fp8:
-        (k, k_scale), (v, v_scale) = quantize_kv(k), quantize_kv(v)
+        (k, k_scale), (v, v_scale) = quantize_rows_ref(k), quantize_rows_ref(v)
         scales = dict(k_scale=k_scale, v_scale=v_scale)
     summaries = torch.zeros(B * SPAN // CHUNK + 1, 3, HKV, D)
     return SimpleNamespace(k=k, v=v, scales=scales,

@@ -8,7 +8,8 @@ import torch
 
 from flash_dllm.cache.routing import CHUNK
 from flash_dllm.kernels.chunk_summaries import write_chunk_summaries, write_chunk_summaries_ref
-from flash_dllm.kernels.kv_fp8 import dequantize_kv, quantize_kv
+from flash_dllm.kernels.fp8 import quantize_rows_ref
+from flash_dllm.kernels.kv_fp8 import dequantize_kv
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["cache", "fp8-cache"])
@@ -19,7 +20,7 @@ def test_matches_reference(dtype, fp8):
     k_cache = torch.randn(rows, Hkv, D, generator=g).to(dtype).to(DEVICE)
     scale = {}
     if fp8:  # summarised as the keys they hold: each times its scale, in fp32
-        k_cache, scale = quantize_kv(k_cache)
+        k_cache, scale = quantize_rows_ref(k_cache)
         scale = dict(k_scale=scale)
     # chunks 0, 0, 0 (a run), 2, 5 cut at row 5 * CHUNK + 7, none, 2 again (not next to its other row)
     chunk = torch.tensor([0, 0, 0, 2, 5, -1, 2], device=DEVICE)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from flash_dllm.kernels.drift_cosine import drift_cosine, drift_cosine_ref, key_splits
-from flash_dllm.kernels.kv_fp8 import quantize_kv
+from flash_dllm.kernels.fp8 import quantize_rows_ref
 
 
 def make_inputs(dtype, tracked=5, lengths=(7, 70, 130), width=140, heads=4, kv_heads=2, head_dim=32, rewritten=9,
@@ -31,7 +31,7 @@ def make_inputs(dtype, tracked=5, lengths=(7, 70, 130), width=140, heads=4, kv_h
 
 def fp8_inputs(q_before, q_after, k_cache, base, lengths, before_row, old_keys) -> tuple[tuple, dict]:
     """make_inputs' with the cache's keys and the old keys in E4M3, and their scales as keyword arguments."""
-    (k_values, k_scale), (old_values, old_scale) = quantize_kv(k_cache), quantize_kv(old_keys)
+    (k_values, k_scale), (old_values, old_scale) = quantize_rows_ref(k_cache), quantize_rows_ref(old_keys)
     return ((q_before, q_after, k_values, base, lengths, before_row, old_values),
             dict(k_scale=k_scale, old_scale=old_scale))
 

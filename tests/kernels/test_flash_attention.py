@@ -10,7 +10,7 @@ from flash_dllm.cache.attention_metadata import AttentionMetadata, cu_seqlens
 from flash_dllm.kernels.attention import ragged_attention_ref
 from flash_dllm.kernels.flash_attention import (ROUTED_BLOCK_N, TARGET_PROGRAMS, flash_attention, num_splits,
                                                 routed_keys)
-from flash_dllm.kernels.kv_fp8 import FP8, quantize_kv
+from flash_dllm.kernels.fp8 import FP8, quantize_rows_ref
 
 # (query rows per request, KV length per request, heads, kv heads, head_dim)
 CASES = {
@@ -58,7 +58,7 @@ def stored(k_cache, v_cache, kv):
     arguments."""
     if kv is None:
         return k_cache, v_cache, {}
-    (k_values, k_scale), (v_values, v_scale) = quantize_kv(k_cache), quantize_kv(v_cache)
+    (k_values, k_scale), (v_values, v_scale) = quantize_rows_ref(k_cache), quantize_rows_ref(v_cache)
     return k_values, v_values, dict(k_scale=k_scale, v_scale=v_scale)
 
 

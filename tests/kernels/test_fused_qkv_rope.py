@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from flash_dllm.kernels.fused_qkv_rope import fused_qkv_rope, fused_qkv_rope_ref
-from flash_dllm.kernels.kv_fp8 import quantize_kv
+from flash_dllm.kernels.fp8 import quantize_rows_ref
 from flash_dllm.models.layers import apply_rotary, rotary_cos_sin
 
 # (d_model, heads, kv heads, head_dim, bias, rows): MHA; GQA with biases, head_dim 24 (half not a power of
@@ -47,7 +47,7 @@ def test_fused_qkv_rope_matches_reference(shape, dtype):
 
 def fp8_cache(k_cache, v_cache) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """The cache in E4M3 (kernels/kv_fp8.py): K and V values, and their scales as keyword arguments."""
-    (k_values, k_scale), (v_values, v_scale) = quantize_kv(k_cache), quantize_kv(v_cache)
+    (k_values, k_scale), (v_values, v_scale) = quantize_rows_ref(k_cache), quantize_rows_ref(v_cache)
     return k_values, v_values, dict(k_scale=k_scale, v_scale=v_scale)
 
 
@@ -61,9 +61,9 @@ def assert_fp8_close(written: tuple, ref: tuple, dtype):
 
 
 def assert_fp8_writes(write, reference, k_cache, v_cache, dtype):
-    """write(k, v, **scales) -> q into an fp8 cache writes quantize_kv of what it writes into a cache of the model's
-    dtype (which the other tests compare with the reference) and returns the same q. In fp32 its fp8 cache is also
-    the reference's (`reference`, the same call); a 16-bit projection or rotation rounds as the reference's only
+    """write(k, v, **scales) -> q into an fp8 cache writes quantize_rows_ref of what it writes into a cache of the
+    model's dtype (which the other tests compare with the reference) and returns the same q. In fp32 its fp8 cache is
+    also the reference's (`reference`, the same call); a 16-bit projection or rotation rounds as the reference's only
     within the dtype's budget (the interpreter's casts to bf16 truncate), which RoPE's cancellations turn into
     several E4M3 steps of the smaller values."""
     k_plain, v_plain = k_cache.clone(), v_cache.clone()

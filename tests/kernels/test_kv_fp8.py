@@ -8,7 +8,8 @@ import triton
 import triton.language as tl
 
 from flash_dllm.kernels.fp8 import FP8, FP8_MAX as E4M3_MAX, e4m3_round, quantized, scale_of
-from flash_dllm.kernels.kv_fp8 import dequantize_kv, quantize_kv
+from flash_dllm.kernels.fp8 import quantize_rows_ref
+from flash_dllm.kernels.kv_fp8 import dequantize_kv
 
 
 def heads(dtype, rows=40, kv_heads=3, head_dim=24, seed=0):
@@ -25,7 +26,7 @@ def heads(dtype, rows=40, kv_heads=3, head_dim=24, seed=0):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_round_trip_is_within_half_an_e4m3_step(dtype):
     x = heads(dtype)
-    values, scale = quantize_kv(x)
+    values, scale = quantize_rows_ref(x)
     assert values.dtype == FP8 and scale.dtype == torch.float32 and scale.shape == x.shape[:2]
     assert (scale > 0).all()
     exact = x.double()
@@ -46,7 +47,8 @@ def _quantize_kernel(x_ptr, values_ptr, scale_ptr, D, BLOCK_M: tl.constexpr, BLO
     m = (o_d < D)[None, :]
     b_x = tl.load(x_ptr + o_m[:, None] * D + o_d[None, :], mask=m, other=0.0).to(tl.float32)
     b_scale = scale_of(tl.max(tl.abs(b_x), 1))
-    tl.store(values_ptr + o_m[:, None] * D + o_d[None, :], quantized(b_x, b_scale[:, None]).to(values_ptr.dtype.element_ty),
+    tl.store(values_ptr + o_m[:, None] * D + o_d[None, :],
+             quantized(b_x, b_scale[:, None]).to(values_ptr.dtype.element_ty),
              mask=m)
     tl.store(scale_ptr + o_m, b_scale)
 
@@ -76,5 +78,5 @@ def test_kernel_quantisation_is_the_references(dtype):
     x = heads(dtype, rows=16, kv_heads=1, head_dim=24)[:, 0]
     values, scale = torch.empty(x.shape, dtype=FP8, device=DEVICE), torch.empty(16, device=DEVICE)
     _quantize_kernel[(1,)](x, values, scale, 24, BLOCK_M=16, BLOCK_D=32)
-    ref_values, ref_scale = quantize_kv(x)
+    ref_values, ref_scale = quantize_rows_ref(x)
     assert torch.equal(scale, ref_scale) and e4m3_steps(values, ref_values) == 0

@@ -155,11 +155,12 @@ def bench_fp8_kernels(model, rows: int, iters: int = 50, seed: int = 0) -> list[
         ("silu_mul_fp8", lambda: silu_mul_fp8(gate_up), lambda: silu_mul_fp8_ref(gate_up)),
         ("add_dequantized", lambda: add_dequantized(x, o_out), lambda: add_dequantized_ref(x, o_out)),
     ]
+    # compared: the quantised rows, dequantised (the normed ones of rms_norm_fp8's (sum, rows)), or the sum
+    as_values = lambda out: out.values.float() * out.scale[:, None] if isinstance(out, Fp8Rows) else out
+    compared = lambda out: as_values(out[-1] if isinstance(out, tuple) and not isinstance(out, Fp8Rows) else out)
     results = []
     for name, kernel, reference in cases:
-        last = lambda out: out[-1] if isinstance(out, tuple) and not isinstance(out, Fp8Rows) else out
-        as_values = lambda out: (out.values.float() * out.scale[:, None] if isinstance(out, Fp8Rows) else out)
-        err = rel_err(as_values(last(kernel())), as_values(last(reference())))
+        err = rel_err(compared(kernel()), compared(reference()))
         results.append(KernelResult(name, shape, time(kernel), time(reference), "", float("nan"), err))
     return results
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ModelConfig
-from ..kernels.kv_fp8 import quantize_kv
+from ..kernels.fp8 import quantize_rows_ref
 
 ALIGN = 32  # rows; routing.CHUNK divides it
 
@@ -95,7 +95,7 @@ class KVCache:
             self.k[layer][slot_mapping], self.v[layer][slot_mapping] = k, v
             return
         for values, scale, rows in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
-            values[layer][slot_mapping], scale[layer][slot_mapping] = quantize_kv(rows)
+            values[layer][slot_mapping], scale[layer][slot_mapping] = quantize_rows_ref(rows)
 
     def scales(self, layer: int) -> dict[str, torch.Tensor]:
         """The layer's k_scale and v_scale as keyword arguments of the kernels and their references ({}: K and V

@@ -259,10 +259,11 @@ def kmeans_inputs(state: tuple[torch.Tensor, ...] | None, keys: PassKeys):
             key_region[keys.key_index].long().transpose(1, 2), region_size[chunk].long().transpose(1, 2))
 
 
-def cached_keys(k_cache: torch.Tensor, k_scale: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor:
-    """The keys of cache rows `index` [...] -> [..., Hkv, D]: as cached, or dequantised to fp32 from an fp8 cache
+def cached_keys(k_cache: torch.Tensor, k_scale: torch.Tensor | None, index: torch.Tensor,
+                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The keys of cache rows `index` [...] -> [..., Hkv, D]: as cached, or dequantised to `dtype` from an fp8 cache
     (k_scale [rows, Hkv] fp32)."""
-    return k_cache[index] if k_scale is None else dequantize_kv(k_cache[index], k_scale[index], torch.float32)
+    return k_cache[index] if k_scale is None else dequantize_kv(k_cache[index], k_scale[index], dtype)
 
 
 def route(q: torch.Tensor, k_cache: torch.Tensor, metadata, layer: int,

@@ -54,10 +54,10 @@ import torch
 import torch.nn.functional as F
 
 from ..cache.attention_metadata import AttentionMetadata
+from ..cache.routing import cached_keys
 from ..kernels.attention import ordered_attention, ordered_sum
 from ..kernels.drift_cosine import drift_cosine
 from ..kernels.invariant_matmul import invariant_bmm, invariant_sum
-from ..kernels.kv_fp8 import dequantize_kv
 from ..models.layers import Rotary, rotary_cos_sin
 from .base import DecodingMethod, check, knob
 from .parallel import ThresholdSettings
@@ -134,11 +134,10 @@ def set_keys(layout: torch.Tensor, request: torch.Tensor, position: torch.Tensor
         layout.permute(0, 3, 1, 2)[request, position] = keys.float()
 
 
-def cached_keys(cache: KVCache, layer: int, rows: torch.Tensor) -> torch.Tensor:
+def layer_keys(cache: KVCache, layer: int, rows: torch.Tensor) -> torch.Tensor:
     """The layer's keys at cache rows `rows` [...] -> [..., Hkv, D] in the model's dtype (an fp8 cache's
     dequantised, as the reference attention reads them)."""
-    keys = cache.k[layer][rows]
-    return keys if cache.k_scale is None else dequantize_kv(keys, cache.k_scale[layer][rows], cache.dtype)
+    return cached_keys(cache.k[layer], cache.scales(layer).get("k_scale"), rows, cache.dtype)
 
 
 def attention_rows(q: torch.Tensor, keys: torch.Tensor, key_valid: torch.Tensor, ordered: bool = False,
@@ -296,7 +295,7 @@ def _reuse_layers(model, cache, kernels: bool, metadata: AttentionMetadata, widt
             scales = {} if cache.k_scale is None else dict(k_scale=cache.k_scale[index],
                                                            old_scale=cache.k_scale[index][row_slot])
         elif drift:  # before: the cached inputs' queries against the keys as cached
-            keys = key_layout(cached_keys(cache, index, key_slot), model.config.num_heads, ordered)
+            keys = key_layout(layer_keys(cache, index, key_slot), model.config.num_heads, ordered)
             before = attention_rows(layer.queries(hidden[index][t_slot], t_cos, t_sin, invariant), keys, key_valid,
                                     ordered, kernels)
             q_after = layer.queries(x[t_flat], t_cos, t_sin, invariant)
@@ -306,7 +305,7 @@ def _reuse_layers(model, cache, kernels: bool, metadata: AttentionMetadata, widt
             drift_cosine(q_before, q_after, cache.k[index], kv_start, kv_len, before_row, old_keys,
                          out=cosines[index], **scales)
         elif drift:  # after: the same keys but the query rows', which the layer has just rewritten in the cache
-            set_keys(keys, row_request, positions, cached_keys(cache, index, row_slot), ordered)
+            set_keys(keys, row_request, positions, layer_keys(cache, index, row_slot), ordered)
             after = attention_rows(q_after, keys, key_valid, ordered, kernels)
             similarity[index] = drift_similarity(before, after, t_valid, ordered, kernels)
     if fused:  # averaged for all layers at once: a few launches a pass instead of ~9 a layer

@@ -24,7 +24,7 @@ from ..cache.routing import PromptRouting
 from ..decoding.base import check, check_type
 from ..models.base import DiffusionLM
 from ..models.loader import available_memory
-from ..models.quantization import Fp8Linear, kv_dtype_of
+from ..models.quantization import Fp8Linear, check_options, kv_dtype_of
 from .cuda_graphs import MAX_GRAPH_ROWS, CudaGraphs
 from .warmup import compile_kernels
 
@@ -97,17 +97,14 @@ class ModelRunner:
         if batch_invariant and on_cuda and not self.kernels:
             raise ValueError("batch_invariant=True on a GPU runs through the Triton kernels: with kernels=False "
                              "cuBLAS and PyTorch's reductions choose their order by the batch's shape")
-        self.quantized = any(isinstance(module, Fp8Linear) for module in model.modules())
-        if batch_invariant and self.quantized:
-            raise ValueError("batch_invariant=True is not supported with quantization='fp8': the FP8 GEMMs are "
-                             "cuBLAS's, whose sums follow the batch's shape")
-        self.kv_cache_dtype, self.kv_dtype = kv_cache_dtype, kv_dtype_of(kv_cache_dtype)
-        if batch_invariant and self.kv_dtype is not None:
-            raise ValueError(f"batch_invariant=True is not supported with kv_cache_dtype={kv_cache_dtype!r}")
-        if self.kv_dtype is not None and on_cuda and torch.cuda.get_device_capability(self.device) < (8, 9):
+        quantized = any(isinstance(module, Fp8Linear) for module in model.modules())
+        check_options("fp8" if quantized else None, kv_cache_dtype, batch_invariant)
+        self.kv_cache_dtype = kv_cache_dtype
+        capability = torch.cuda.get_device_capability(self.device) if on_cuda else None
+        if self.kv_dtype is not None and on_cuda and capability < (8, 9):
             raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} needs a GPU with FP8 support (compute capability "
                              f"8.9 or later: Ada, Hopper); {torch.cuda.get_device_name(self.device)} has "
-                             f"{'.'.join(map(str, torch.cuda.get_device_capability(self.device)))}")
+                             f"{'.'.join(map(str, capability))}")
         self.batch_invariant = batch_invariant
         self.invariant_gemms = batch_invariant and self.kernels  # the GEMMs through kernels/invariant_matmul.py
         if cuda_graphs and not (self.kernels and on_cuda):
@@ -129,6 +126,11 @@ class ModelRunner:
         self.graphs: CudaGraphs | None = None
         self.batch_numbers = itertools.count(1)  # every engine's batches on this runner (keys of graphs over them)
         self.logits_checked = False
+
+    @property
+    def kv_dtype(self) -> torch.dtype | None:
+        """The KV cache's K/V dtype (None: the model's)."""
+        return kv_dtype_of(self.kv_cache_dtype)
 
     @property
     def logit_shift(self) -> int:

@@ -1,11 +1,12 @@
 """FP8 (E4M3) K and V in the KV cache (`KVCache(kv_dtype=torch.float8_e4m3fn)`): the PyTorch reference of their
-quantisation, and the kernels' scale arguments.
+dequantisation, and the kernels' scale arguments.
 
-Each (cache row, KV head) holds its head_dim values in E4M3 and one fp32 scale, scale = max(amax, MIN_AMAX) / 448
+Each (cache row, KV head) holds its head_dim values in E4M3 and one fp32 scale, max(amax, MIN_AMAX) * (1 / 448)
 of the head's values (448: E4M3's largest finite value; MIN_AMAX: an all-zero head gets a positive scale and stores
 zeros); a value is stored as x / scale (correctly rounded), clamped to +-448 and rounded to the nearest E4M3, ties
 to even. A reader dequantises a value as its E4M3 value times its scale. K is quantised after RoPE, from the value
-a cache in the model's dtype would hold: an fp8 cache holds quantize_kv of that cache's rows.
+a cache in the model's dtype would hold: an fp8 cache holds fp8.quantize_rows_ref of that cache's rows
+(each KV head's D values a row).
 
 The kernels quantise with kernels/fp8.py's helpers (`scale_of`, `quantized`), the same as the activations'.
 """
@@ -15,12 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from .fp8 import FP8, Fp8Rows, quantize_rows_ref
-
-
-def quantize_kv(x: torch.Tensor) -> Fp8Rows:
-    """x [..., D] -> values [..., D] E4M3 and scale [...] fp32: each KV head's D values a row of quantize_rows_ref."""
-    return quantize_rows_ref(x)
+from .fp8 import FP8
 
 
 def dequantize_kv(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

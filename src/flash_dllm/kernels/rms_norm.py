@@ -49,7 +49,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, e
     d = x.shape[-1]
     x2 = x.reshape(-1, d)
     out = torch.empty(x2.shape[0], d, dtype=x.dtype, device=x.device)
-    _launch(x2, weight, bias, eps, out, None, None, 1 if invariant else None)
+    _launch(x2, weight, bias, eps, out, None, None, x2, 1 if invariant else None)
     return out.view(x.shape)
 
 
@@ -61,15 +61,15 @@ def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     M, d = x.shape
     out = Fp8Rows(torch.empty(M, d, dtype=FP8, device=x.device), torch.empty(M, dtype=torch.float32, device=x.device))
     summed = x if residual is None else torch.empty(M, d, dtype=x.dtype, device=x.device)
-    _launch(x, weight, bias, eps, out.values, out.scale, residual, None, summed)
+    _launch(x, weight, bias, eps, out.values, out.scale, residual, summed)
     return summed, out
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, out: torch.Tensor,
-            out_scale: torch.Tensor | None, residual: ScaledProduct | None, rows_per_program: int | None,
-            summed: torch.Tensor | None = None):
+            out_scale: torch.Tensor | None, residual: ScaledProduct | None, summed: torch.Tensor,
+            rows_per_program: int | None = None):
     """x [M, d] -> out [M, d] (quantised, with out_scale [M], when out_scale is given); with `residual`, x + its rows
-    are normed and written to `summed`."""
+    are normed and written to `summed` [M, d] (else unread)."""
     M, d = x.shape
     assert weight.shape == (d,) and weight.dtype == x.dtype  # else PyTorch would promote weight * x
     assert bias is None or (bias.shape == (d,) and bias.dtype == x.dtype)
@@ -83,9 +83,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ep
     _rms_norm_kernel[(triton.cdiv(M, block_n),)](
         x, weight, bias if bias is not None else weight, out, out_scale if out_scale is not None else x,
         values, row_scale, col_scale, residual_bias if residual_bias is not None else x,
-        summed if summed is not None else x, M, x.stride(0), out.stride(0), values.stride(0),
-        (summed if summed is not None else x).stride(0), d, eps, HAS_BIAS=bias is not None, QUANTIZE=out_scale is not None, HAS_RESIDUAL=residual is not None,
-        RESIDUAL_BIAS=residual_bias is not None, BLOCK_N=block_n, BLOCK_D=block_d,
+        summed, M, x.stride(0), out.stride(0), values.stride(0), summed.stride(0), d, eps, HAS_BIAS=bias is not None,
+        QUANTIZE=out_scale is not None, HAS_RESIDUAL=residual is not None, RESIDUAL_BIAS=residual_bias is not None,
+        BLOCK_N=block_n, BLOCK_D=block_d,
         num_warps=max(1, min(8, block_n * block_d // 256)),
         enable_fp_fusion=False)  # no fma of weight * x + bias in fp32: PyTorch rounds the product first
 

@@ -13,7 +13,8 @@ import functools
 
 import torch
 
-from .kv_fp8 import quantize_kv, scale_arguments
+from .fp8 import ScaledProduct, dequantize_ref, quantize_rows_ref
+from .kv_fp8 import scale_arguments
 
 try:
     import triton
@@ -41,16 +42,16 @@ def rope_cache_write_ref(qkv: torch.Tensor, positions: torch.Tensor, slot_mappin
     -> q [N, H, D] rotated, in qkv's dtype. Writes rotated K and V into the cache at slot_mapping.
     Rotate-half RoPE in fp32, as LLaDABlock.cached_attention does.
 
-    k_scale, v_scale [rows, Hkv] fp32 (an fp8 cache): K and V are stored quantize_kv'd, their scales beside them.
+    k_scale, v_scale [rows, Hkv] fp32 (an fp8 cache): K and V are stored as quantize_rows_ref gives them (a row a
+    KV head), their scales beside them.
     dequant (row_scale [N], col_scale [F]) and bias [F] (F = qkv's columns): the projection is
     ((qkv * row_scale) * col_scale + bias) in fp32, rounded to qkv's dtype (an FP8 GEMM's unscaled product).
     """
     N, (num_kv_heads, head_dim) = qkv.shape[0], k_cache.shape[1:]
-    if dequant is not None or bias is not None:
-        projected = qkv.float()
-        if dequant is not None:
-            projected = projected * dequant[0][:, None] * dequant[1][None, :]
-        qkv = (projected if bias is None else projected + bias.float()).to(qkv.dtype)
+    if dequant is not None:
+        qkv = dequantize_ref(ScaledProduct(qkv, *dequant, bias), qkv.dtype)
+    elif bias is not None:
+        qkv = (qkv.float() + bias.float()).to(qkv.dtype)
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
     freqs = positions.float()[:, None] * rope_inv_freq(head_dim, rope_theta, qkv.device)
     cos, sin = freqs.cos()[:, None], freqs.sin()[:, None]                        # [N, 1, D / 2]
@@ -64,7 +65,7 @@ def rope_cache_write_ref(qkv: torch.Tensor, positions: torch.Tensor, slot_mappin
         if scale is None:
             cache.index_copy_(0, slot_mapping, rows)
         else:
-            values, row_scale = quantize_kv(rows)
+            values, row_scale = quantize_rows_ref(rows)
             cache.view(torch.uint8).index_copy_(0, slot_mapping, values.view(torch.uint8))  # no fp8 index_copy_
             scale.index_copy_(0, slot_mapping, row_scale)
     return rotate(q, num_heads)

@@ -27,7 +27,7 @@ from ..kernels.rope_cache_write import rope_cache_write
 from ..kernels.route_chunks import route_chunks
 from ..kernels.rms_norm import rms_norm, rms_norm_fp8, rms_norm_ref
 from ..kernels.silu_mul import silu_mul, silu_mul_fp8, silu_mul_ref
-from .quantization import Fp8Linear
+from .quantization import Fp8Linear, stacked_rows
 
 
 class RMSNorm(nn.Module):
@@ -70,8 +70,7 @@ class PackedLinear(nn.Linear):
         self.output_sizes = output_sizes
 
     def rows(self, shard: int) -> slice:
-        start = sum(self.output_sizes[:shard])
-        return slice(start, start + self.output_sizes[shard])
+        return stacked_rows(self.output_sizes, shard)
 
 
 def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:

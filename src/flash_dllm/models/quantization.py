@@ -30,6 +30,24 @@ def kv_dtype_of(kv_cache_dtype: str | None) -> torch.dtype | None:
     return KV_CACHE_DTYPES.get(kv_cache_dtype)
 
 
+def check_options(quantization: str | None, kv_cache_dtype: str | None, batch_invariant: bool):
+    """Each option's value, and their combination: the batch-invariant mode takes neither."""
+    check_quantization(quantization)
+    kv_dtype_of(kv_cache_dtype)
+    if batch_invariant and quantization:
+        raise ValueError(f"batch_invariant=True is not supported with quantization={quantization!r}: the FP8 GEMMs "
+                         f"are cuBLAS's, whose sums follow the batch's shape")
+    if batch_invariant and kv_cache_dtype:
+        raise ValueError(f"batch_invariant=True is not supported with kv_cache_dtype={kv_cache_dtype!r}: the FP8 "
+                         f"cache's attention kernels have no batch-invariant tiling")
+
+
+def stacked_rows(output_sizes: list[int], shard: int) -> slice:
+    """The output rows of checkpoint matrix `shard` of a packed projection whose matrices have output_sizes."""
+    start = sum(output_sizes[:shard])
+    return slice(start, start + output_sizes[shard])
+
+
 class Fp8Linear(nn.Module):
     """y = x @ weight.T + bias with weight [out, in] E4M3 (the `weight` parameter, filled by `set_weight`) and
     weight_scale [out] fp32 (a buffer: not a checkpoint tensor); y and bias in `dtype`, the model's. output_sizes:
@@ -49,8 +67,7 @@ class Fp8Linear(nn.Module):
                    linear.weight.dtype)
 
     def rows(self, shard: int) -> slice:
-        start = sum(self.output_sizes[:shard])
-        return slice(start, start + self.output_sizes[shard])
+        return stacked_rows(self.output_sizes, shard)
 
     @torch.no_grad()
     def set_weight(self, weight: torch.Tensor, rows: slice | None = None):
