@@ -80,9 +80,9 @@ OPTIONS = {"fp8 weights": dict(quantization="fp8"), "fp8 KV": dict(kv_cache_dtyp
 
 @pytest.mark.parametrize("option", OPTIONS)
 @pytest.mark.parametrize("method", sorted(METHODS))
-def test_every_method_runs_with_each_option(gqa_checkpoint, dream, method, option):
-    checkpoint = dream if method == "dream" else gqa_checkpoint
-    llm = LLM(checkpoint, device="cpu", dtype="float32", kernels=False, **OPTIONS[option])
+@pytest.mark.parametrize("checkpoint", ["gqa_checkpoint", "dream"])
+def test_every_method_runs_with_each_option(request, checkpoint, method, option):
+    llm = LLM(request.getfixturevalue(checkpoint), device="cpu", dtype="float32", kernels=False, **OPTIONS[option])
     outputs = llm.generate(PROMPTS, SamplingParams(method=method, max_tokens=8, block_length=8))
     assert all(out.finish_reason in ("stop", "length") and out.nfe > 0 for out in outputs)
 
