@@ -19,7 +19,7 @@ gen() {  # gen NAME SECONDS BATCH [OPTIONS...]: the three methods of the speed t
 }
 case "${PART:-check}" in
 check)
-  step gpu_tests 150 python -m pytest -q -p no:cacheprovider tests/kernels/test_fp8.py tests/kernels/test_kv_fp8.py \
+  step gpu_tests 250 python -m pytest -q -p no:cacheprovider tests/kernels/test_fp8.py tests/kernels/test_kv_fp8.py \
       tests/kernels/test_rope_cache_write.py tests/kernels/test_fused_qkv_rope.py tests/kernels/test_flash_attention.py \
       tests/kernels/test_chunk_summaries.py tests/kernels/test_drift_cosine.py tests/models/test_kernel_path.py \
       tests/engine/test_warmup.py
