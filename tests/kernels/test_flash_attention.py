@@ -166,8 +166,9 @@ def test_keys_split_only_when_the_programs_do_not_fill_the_gpu_over_a_long_promp
     assert num_splits(TARGET_PROGRAMS, 32768, 64) == 1
     assert num_splits(96, 768, 64) == 1              # batch 1, 144 query rows, 32 heads, a short prompt
     assert num_splits(96, 8192, 64) == 3             # the same over 8k keys: 288 programs
-    assert num_splits(96, 8192, 64, key_mass=True) == 1 and num_splits(96, 16384, 64, key_mass=True) == 3
-    assert num_splits(32, 32768, 128) == 9           # batch 1, a block of 32 rows over a 32k-token prompt
+    assert num_splits(96, 8192, 64, key_mass=True) == 1 and num_splits(96, 16384, 64, key_mass=True) == 6
+    # splits of at most MAX_SPLIT_KEYS keys: batch 1, a block of 32 rows or 144 over a 32k-token prompt
+    assert num_splits(32, 32768, 128) == 11 and num_splits(96, 32768, 64, key_mass=True) == 11
 
 
 def test_no_rows_and_verify_mass_refused():

@@ -64,16 +64,22 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, p
                             rope_theta, **scales)
 
 
+SHARED_MEMORY_BYTES = 160 * 1024  # of the H200's 227 KB per block, with room for the epilogue's layout changes
+
+
 def launch_config(num_rows: int, half: int, whole_heads: bool = False, fp32: bool = False) -> dict:
     """Tile sizes by row count, tuned on the H200 at LLaDA-8B shapes (benchmarks/tune_kernels.py). whole_heads:
     a program holds whole heads (an fp8 cache's scale is the amax of a head; not tuned)."""
     block_half = max(16, triton.next_power_of_2(half))
     if num_rows <= 32:  # heads in chunks, to put more programs on the SMs
-        return dict(BLOCK_N=max(16, triton.next_power_of_2(num_rows)),
-                    BLOCK_HALF=block_half if whole_heads else min(16, block_half), BLOCK_K=128, num_warps=4,
-                    num_stages=4)
-    return dict(BLOCK_N=min(128, triton.next_power_of_2(num_rows)), BLOCK_HALF=block_half, BLOCK_K=64,
-                num_warps=8, num_stages=2 if fp32 else 4)  # fp32 tiles of whole 128-wide heads: 4 stages overflow
+        config = dict(BLOCK_N=max(16, triton.next_power_of_2(num_rows)),
+                      BLOCK_HALF=block_half if whole_heads else min(16, block_half), BLOCK_K=128, num_warps=4)
+    else:
+        config = dict(BLOCK_N=min(128, triton.next_power_of_2(num_rows)), BLOCK_HALF=block_half, BLOCK_K=64,
+                      num_warps=8)
+    # as many pipeline stages (up to 4) as the x and two weight tiles fit in shared memory (fp32 whole heads: 2)
+    stage_bytes = (config["BLOCK_N"] + 2 * config["BLOCK_HALF"]) * config["BLOCK_K"] * (4 if fp32 else 2)
+    return dict(config, num_stages=max(1, min(4, SHARED_MEMORY_BYTES // stage_bytes)))
 
 
 def fused_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
