@@ -516,7 +516,8 @@ def cmd_serve(args):
                          defaults=ServerDefaults(params, given), max_queue=args.max_queue,
                          api_key=args.api_key)
     replicas = args.data_parallel_size
-    devices = replica_devices(replicas, args.device, getattr(args, "tensor_parallel_size", None) or 1)
+    if replicas > 1:
+        devices = replica_devices(replicas, args.device, getattr(args, "tensor_parallel_size", None) or 1)
     sock = listening_socket(args.host, args.port)
     if replicas == 1:  # the engine loop in this process
         llm, pool = llm_from_args(args, max_batch_size=args.max_batch), None

@@ -19,7 +19,7 @@ from flash_dllm.serve import replicas as replicas_module
 from flash_dllm.serve.async_engine import Failed, Request
 from flash_dllm.serve.replicas import ReplicaPool, replica_devices
 
-from .test_api_server import MESSAGES, PROGRAM, QUESTION, SLOW, metric
+from .test_api_server import MESSAGES, PROGRAM, QUESTION, SLOW, metric, stream_events
 from .test_cli_serve import free_port
 
 # The conftest server's defaults, given in each request (the replicas' defaults are the command's).
@@ -71,7 +71,8 @@ def test_health_reports_each_replica(dp_server):
     url, _ = dp_server
     health = httpx.get(url + "/health").json()
     assert health["status"] == "ok"
-    assert [(r["replica"], r["status"], r["devices"]) for r in health["replicas"]] == [(0, "ok", "cpu"), (1, "ok", "cpu")]
+    replicas = [(r["replica"], r["status"], r["devices"], r["requests"]) for r in health["replicas"]]
+    assert replicas == [(0, "ok", "cpu", 0), (1, "ok", "cpu", 0)]
 
 
 def test_answers_equal_one_replicas_for_the_same_seeds(dp_server, server):
@@ -95,6 +96,12 @@ def test_answers_equal_one_replicas_for_the_same_seeds(dp_server, server):
                  metric(dp, f'flash_dllm_requests_total{{outcome="stop",replica="{r}"}}') for r in (0, 1)]
     served = [a - b for a, b in zip(after, before)]
     assert sum(served) == 9 and min(served) >= 3
+    # Streaming: the final prefixes come back from the replicas as they grow.
+    body = {"prompt": [QUESTION, PROGRAM], "max_tokens": 64}
+    with httpx.Client(base_url=url, timeout=120) as dp:
+        full = [c["text"] for c in dp.post("/v1/completions", json=body).json()["choices"]]
+        chunks = stream_events(dp, "/v1/completions", body)
+    assert ["".join(c["choices"][0]["text"] for c in chunks if c["choices"][0]["index"] == i) for i in (0, 1)] == full
 
 
 def test_an_abort_reaches_the_replica_that_holds_the_request(dp_server):
@@ -165,6 +172,8 @@ def test_data_parallel_size_is_checked_in_one_line(capsys, monkeypatch):
     assert replica_devices(2, "cuda", tensor_parallel_size=2) == ["4,5", "6,7"]
     with pytest.raises(ValueError, match=r"^--data-parallel-size must be between 1 and 2 here: 3 replicas x 2 GPU"):
         replica_devices(3, "cuda", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"^--data-parallel-size cannot be met: 2 replicas x 8 GPU\(s\) each need 16"):
+        replica_devices(2, "cuda", tensor_parallel_size=8)
     with pytest.raises(ValueError, match="--device cuda:1 names one GPU"):
         replica_devices(2, "cuda:1")
 

@@ -82,9 +82,9 @@ def replica_devices(size: int, device: str | None, tensor_parallel_size: int = 1
     ids = [i.strip() for i in visible.split(",")][:count] if visible else [str(i) for i in range(count)]
     most = len(ids) // tensor_parallel_size
     if size > most:
-        raise ValueError(f"--data-parallel-size must be between 1 and {most} here: {size} replicas x "
-                         f"{tensor_parallel_size} GPU(s) each need {size * tensor_parallel_size}, "
-                         f"{len(ids)} are visible")
+        within = f"must be between 1 and {most} here" if most >= 1 else "cannot be met"
+        raise ValueError(f"--data-parallel-size {within}: {size} replicas x {tensor_parallel_size} GPU(s) each "
+                         f"need {size * tensor_parallel_size}, {len(ids)} are visible")
     tp = tensor_parallel_size
     return [",".join(ids[r * tp:(r + 1) * tp]) for r in range(size)]
 
