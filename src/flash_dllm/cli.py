@@ -504,20 +504,37 @@ def cmd_sweep(args):
 
 
 def cmd_serve(args):
+    from functools import partial
+
     from .serve.api_server import ServeConfig, listening_socket, serve
     from .serve.protocol import ServerDefaults
+    from .serve.replicas import ModelFront, ReplicaError, ReplicaPool, replica_devices
 
     params = sampling_params_from_args(args)  # the server's defaults, checked before the model loads
     given = {name: getattr(args, name) for name in knobs() if getattr(args, name) is not None}
     config = ServeConfig(model_name=args.served_model_name or Path(args.model or "default").name,
                          defaults=ServerDefaults(params, given), max_queue=args.max_queue,
                          api_key=args.api_key)
+    replicas = args.data_parallel_size
+    if replicas > 1:
+        devices = replica_devices(replicas, args.device, getattr(args, "tensor_parallel_size", None) or 1)
     sock = listening_socket(args.host, args.port)
-    llm = llm_from_args(args, max_batch_size=args.max_batch)
+    if replicas == 1:  # the engine loop in this process
+        llm, pool = llm_from_args(args, max_batch_size=args.max_batch), None
+    else:  # this process tokenises; each replica process loads the model
+        llm = ModelFront(args.model)
+        options = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "func"})
+        pool = ReplicaPool(partial(llm_from_args, options, max_batch_size=args.max_batch), config.defaults,
+                           devices, args.max_batch)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"flash-dllm: warning: serving on {args.host} without --api-key", file=sys.stderr)
-    print(f"flash-dllm: serving {config.model_name} on http://{args.host}:{args.port}", file=sys.stderr)
-    serve(llm, config, sock)
+    print(f"flash-dllm: serving {config.model_name} on http://{args.host}:{args.port}"
+          + (f" with {replicas} replicas" if replicas > 1 else ""), file=sys.stderr)
+    try:
+        serve(llm, config, sock, pool)
+    except ReplicaError as error:  # the replica printed its traceback
+        print(f"flash-dllm: error: {error}", file=sys.stderr)
+        return 1
 
 
 def cmd_bench_serve(args):
@@ -608,6 +625,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-queue", type=at_least(0), default=256, help="requests waiting beyond the batch before 429")
     srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*")
     srv.add_argument("--served-model-name", help="the model's id in the API (default: the directory's name)")
+    srv.add_argument("--data-parallel-size", type=at_least(1), default=1,
+                     help="engine replicas behind this one HTTP front, each a process on GPUs of its own (times the "
+                          "tensor-parallel size) or on the CPU; a request goes to the one with the fewest requests")
     add_sampling_args(srv)  # the defaults of the fields a request leaves out
     srv.set_defaults(func=cmd_serve)
 

@@ -2,7 +2,9 @@
 
 Every request is checked before it reaches the engine: malformed JSON, wrong types, out-of-range values,
 unknown methods or fields and prompts that can never fit are a 400 naming the culprit; beyond the queue's
-bound a 429 with Retry-After. Accepted requests share one engine loop (serve/async_engine.py).
+bound a 429 with Retry-After. Accepted requests share one engine loop (serve/async_engine.py), or with
+data parallelism go to the least busy of several replicas, each a process with its own engine loop
+(serve/replicas.py).
 
 The server listens while it starts: until the KV cache is allocated and the kernels are compiled (`start_up`,
 on the engine's thread), /health answers 503 {"status": "starting"} and completions a 503 with Retry-After.
@@ -23,6 +25,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Depends, FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
@@ -30,9 +33,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..llm import LLM
-from .async_engine import Accepted, AsyncEngine, Failed, Finished, Prefix, Rejected, Request
+from .async_engine import Accepted, AsyncEngine, Failed, Finished, Prefix, Rejected, Request, Stats
 from .protocol import (ChatCompletionRequest, CommonRequest, CompletionRequest, ServerDefaults, knobs_read,
                        sampling_params)
+
+if TYPE_CHECKING:
+    from .replicas import ReplicaPool
 
 log = logging.getLogger("flash_dllm.serve")
 DISCONNECT_POLL_S = 0.5  # how often a waiting request asks whether its client is still there
@@ -135,13 +141,17 @@ class Choice:
             self.finish_reason = "stop" if stopped else seq.finish_reason
             return delta
         if isinstance(event, Failed):
-            raise APIError(500, event.message, "server_error")
+            raise APIError(event.status, event.message, "server_error")
         return None
 
 
-def build_app(llm: LLM, config: ServeConfig, start_up: Callable[[], None] | None = None) -> FastAPI:
-    """start_up: run on the engine's thread before it takes requests (`start_up` below, for `serve`)."""
-    engine = AsyncEngine(llm, start_up)
+def build_app(llm: LLM, config: ServeConfig, start_up: Callable[[], None] | None = None,
+              engine: AsyncEngine | ReplicaPool | None = None) -> FastAPI:
+    """llm: the model the front tokenises for (an LLM, or replicas.ModelFront, without weights).
+    start_up: run on the engine's thread before it takes requests (`start_up` below, for `serve`).
+    engine: the engine client; default: an AsyncEngine over `llm` in this process."""
+    if engine is None:
+        engine = AsyncEngine(llm, start_up)
 
     @contextlib.asynccontextmanager
     async def lifespan(_):
@@ -151,7 +161,7 @@ def build_app(llm: LLM, config: ServeConfig, start_up: Callable[[], None] | None
 
     app = FastAPI(title="flash-dllm", lifespan=lifespan)
     app.state.engine = engine
-    capacity = llm.engine.scheduler.max_batch_size + config.max_queue
+    capacity = engine.max_batch_size + config.max_queue
     in_flight = {"requests": 0, "throttled": 0}
 
     @app.exception_handler(RequestValidationError)
@@ -222,7 +232,7 @@ def build_app(llm: LLM, config: ServeConfig, start_up: Callable[[], None] | None
             where = f"prompt {index}: " if len(requests) > 1 else ""
             if isinstance(outcome, Rejected):
                 raise APIError(400, where + outcome.message)
-            raise APIError(500, where + outcome.message, "server_error")
+            raise APIError(outcome.status, where + outcome.message, "server_error")
 
     def release(requests: list[Request]):
         """Abort what is still running (a no-op for finished requests) and free the requests' slots."""
@@ -374,49 +384,63 @@ def build_app(llm: LLM, config: ServeConfig, start_up: Callable[[], None] | None
 
     @app.get("/health")
     async def health():
-        if not engine.is_alive():
+        body = engine.health()
+        if body is None:
             return error_response(503, "the engine loop has stopped", "server_error")
-        if not engine.ready.is_set():
-            return JSONResponse({"status": "starting"}, 503)
-        return {"status": "ok"}
+        return JSONResponse(body, 200 if body["status"] in ("ok", "degraded") else 503)
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(prometheus_text(engine, in_flight["throttled"]),
-                                 media_type="text/plain; version=0.0.4")
+        text = prometheus_text(await engine.replica_stats(), in_flight["throttled"])
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     return app
 
 
-def prometheus_text(engine: AsyncEngine, throttled: int) -> str:
-    stats = engine.stats
+def prometheus_text(replicas: list[tuple[str | None, Stats, bool]], throttled: int) -> str:
+    """replicas: (label, counters, is serving) of each replica. One replica without a label has unlabelled
+    metrics; replicas have replica="i" on each, and replica_up."""
     lines = []
 
-    def metric(name: str, kind: str, help: str, values: dict[str, float] | float):
-        lines.extend([f"# HELP flash_dllm_{name} {help}", f"# TYPE flash_dllm_{name} {kind}"])
-        for labels, value in (values.items() if isinstance(values, dict) else [("", values)]):
-            lines.append(f"flash_dllm_{name}{labels} {value}")
+    def labels(replica: str | None, **more: str) -> str:
+        pairs = {**more, **({} if replica is None else {"replica": replica})}
+        return "{" + ",".join(f'{key}="{value}"' for key, value in pairs.items()) + "}" if pairs else ""
 
-    finished = sum(stats.finished.values())
+    def metric(name: str, kind: str, help: str, rows: list[tuple[str, float]]):
+        lines.extend([f"# HELP flash_dllm_{name} {help}", f"# TYPE flash_dllm_{name} {kind}"])
+        lines.extend(f"flash_dllm_{name}{where} {value}" for where, value in rows)
+
+    def each(value_of: Callable[[Stats], float]) -> list[tuple[str, float]]:
+        return [(labels(replica), value_of(stats)) for replica, stats, _ in replicas]
+
+    def per_request(stats: Stats) -> float:
+        finished = sum(stats.finished.values()) - stats.finished["abort"] - stats.finished["error"]
+        return stats.nfe / max(finished, 1)
+
     metric("requests_total", "counter", "Requests that ended, by how.",
-           {f'{{outcome="{k}"}}': v for k, v in stats.finished.items()})
-    metric("requests_rejected_total", "counter", "Requests refused: the KV cache can never hold them.", stats.rejected)
-    metric("requests_throttled_total", "counter", "Requests refused with 429: queue full.", throttled)
-    metric("requests_running", "gauge", "Requests in the running batch.", stats.running)
-    metric("requests_waiting", "gauge", "Requests queued for the running batch.", stats.waiting)
-    metric("generated_tokens_total", "counter", "Generated tokens (up to the first eos/eot).", stats.generated_tokens)
-    metric("denoising_steps_total", "counter", "Denoising steps of finished requests.", stats.steps)
-    metric("nfe_total", "counter", "Forward passes (NFE) of finished requests.", stats.nfe)
-    metric("engine_iterations_total", "counter", "Engine steps over the running batch.", stats.iterations)
-    metric("tokens_per_second", "gauge", "Generated tokens per second over the last 10 s.", stats.tokens_per_s())
+           [(labels(replica, outcome=k), v) for replica, stats, _ in replicas for k, v in stats.finished.items()])
+    metric("requests_rejected_total", "counter", "Requests refused: the KV cache can never hold them.",
+           each(lambda s: s.rejected))
+    metric("requests_throttled_total", "counter", "Requests refused with 429: queue full.", [("", throttled)])
+    metric("requests_running", "gauge", "Requests in the running batch.", each(lambda s: s.running))
+    metric("requests_waiting", "gauge", "Requests queued for the running batch.", each(lambda s: s.waiting))
+    metric("generated_tokens_total", "counter", "Generated tokens (up to the first eos/eot).",
+           each(lambda s: s.generated_tokens))
+    metric("denoising_steps_total", "counter", "Denoising steps of finished requests.", each(lambda s: s.steps))
+    metric("nfe_total", "counter", "Forward passes (NFE) of finished requests.", each(lambda s: s.nfe))
+    metric("engine_iterations_total", "counter", "Engine steps over the running batch.", each(lambda s: s.iterations))
+    metric("tokens_per_second", "gauge", "Generated tokens per second over the last 10 s.",
+           each(lambda s: s.tokens_per_s()))
     metric("tokens_per_step", "gauge", "Generated tokens per denoising step, finished requests.",
-           stats.generated_tokens / max(stats.steps, 1))
-    metric("nfe_per_request", "gauge", "Forward passes per finished request.",
-           stats.nfe / max(finished - stats.finished["abort"] - stats.finished["error"], 1))
+           each(lambda s: s.generated_tokens / max(s.steps, 1)))
+    metric("nfe_per_request", "gauge", "Forward passes per finished request.", each(per_request))
     metric("kv_cache_rows", "gauge", "KV-cache capacity in token rows (0 before the first cached request).",
-           stats.kv_cache_rows)
+           each(lambda s: s.kv_cache_rows))
     metric("kv_cache_usage_ratio", "gauge", "Fraction of KV-cache rows held by requests.",
-           stats.kv_cache_used / max(stats.kv_cache_rows, 1))
+           each(lambda s: s.kv_cache_used / max(s.kv_cache_rows, 1)))
+    if any(replica is not None for replica, _, _ in replicas):
+        metric("replica_up", "gauge", "1 while the replica serves, 0 while it starts or once it has stopped.",
+               [(labels(replica), int(up)) for replica, _, up in replicas])
     return "\n".join(lines) + "\n"
 
 
@@ -442,9 +466,10 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(llm: LLM, config: ServeConfig, sock: socket.socket):
+def serve(llm: LLM, config: ServeConfig, sock: socket.socket, pool: ReplicaPool | None = None):
     """Serve on `sock` until interrupted; it listens from the start (/health: "starting", then "ok"). A failed
-    start-up stops the server and is raised here."""
+    start-up stops the server and is raised here. pool: data-parallel replicas (then `llm` is their
+    replicas.ModelFront), started and stopped with the server."""
     import uvicorn
 
     failed: list[BaseException] = []
@@ -456,9 +481,20 @@ def serve(llm: LLM, config: ServeConfig, sock: socket.socket):
             failed.append(error)
             server.should_exit = True
             raise
+        ready()
+
+    def ready():
         print("flash-dllm: ready", file=sys.stderr, flush=True)
 
-    app = build_app(llm, config, start)
+    def replica_failed(error: BaseException):
+        failed.append(error)
+        server.should_exit = True
+
+    if pool is None:
+        app = build_app(llm, config, start)
+    else:
+        pool.on_ready, pool.on_failure = ready, replica_failed
+        app = build_app(llm, config, engine=pool)
     server = uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5))
     try:
         server.run(sockets=[sock])

@@ -7,6 +7,10 @@ then `Prefix` (the output's final tokens so far, streaming requests only) and at
 `Failed`. A request whose client goes away is aborted: its rows and cache range are freed at the next step,
 and no other request notices. The thread first runs the server's start-up (the KV cache and the kernels'
 compiles, serve/api_server.py's `start_up`); `ready` is set once that is done.
+
+AsyncEngine is the HTTP front's engine client for one replica in this process; serve/replicas.py's
+ReplicaPool is the same interface over data-parallel replicas in processes of their own: start, shutdown,
+ready, is_alive, max_batch_size, submit, abort, health and replica_stats.
 """
 from __future__ import annotations
 
@@ -51,7 +55,8 @@ class Finished:
 
 @dataclass
 class Failed:
-    message: str  # the engine failed while this request ran: a 500
+    message: str      # the engine failed while this request ran
+    status: int = 500  # 503: no replica can run it (the one that held it died, or none is alive)
 
 
 @dataclass(eq=False)
@@ -98,6 +103,7 @@ class AsyncEngine:
         self._active: dict[Sequence, tuple[Request, asyncio.AbstractEventLoop]] = {}
         self._lock = threading.Lock()  # no request enters the inbox once the loop has stopped
         self._stopped = False
+        self.stop_reason: str | None = None  # why the loop stopped, once it has
         self._thread = threading.Thread(target=self._loop, name="flash-dllm-engine", daemon=True)
 
     def start(self):
@@ -105,6 +111,20 @@ class AsyncEngine:
 
     def is_alive(self) -> bool:
         return self._thread.is_alive() and not self._stopped
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.engine.scheduler.max_batch_size
+
+    def health(self) -> dict | None:
+        """/health's body; None once the loop has stopped."""
+        if not self.is_alive():
+            return None
+        return {"status": "ok" if self.ready.is_set() else "starting"}
+
+    async def replica_stats(self) -> list[tuple[str | None, Stats, bool]]:
+        """/metrics' counters: one replica, without a label."""
+        return [(None, self.stats, self.is_alive() and self.ready.is_set())]
 
     def shutdown(self):
         self._stop.set()
@@ -115,14 +135,19 @@ class AsyncEngine:
     async def submit(self, requests: list[Request]) -> list[Accepted | Rejected | Failed]:
         """Queue requests for the engine thread (together: they join the same step); returns once each is
         queued there, rejected, or failed."""
-        loop = asyncio.get_running_loop()
+        if not self.enqueue(requests, asyncio.get_running_loop()):
+            return [Failed("the engine loop has stopped") for _ in requests]
+        return [await request.events.get() for request in requests]
+
+    def enqueue(self, requests: list[Request], loop: asyncio.AbstractEventLoop | None) -> bool:
+        """Queue requests for the engine thread, whose events go to `loop`; False once the loop has stopped."""
         with self._lock:
             if self._stopped:
-                return [Failed("the engine loop has stopped") for _ in requests]
+                return False
             for request in requests:
                 self._inbox.put(("add", request, loop))
         self._wakeup.set()
-        return [await request.events.get() for request in requests]
+        return True
 
     def abort(self, request: Request):
         self._inbox.put(("abort", request, None))
@@ -175,6 +200,7 @@ class AsyncEngine:
         finally:  # nobody may wait for an event that will never come
             with self._lock:
                 self._stopped = True
+                self.stop_reason = message
             for kind, request, loop in self._inbox_items():
                 if kind == "add":
                     self._post(request, loop, Failed(message))
