@@ -397,3 +397,14 @@ def test_a_dead_engine_answers_instead_of_hanging(start_server):
         for _ in range(4):
             assert client.post("/v1/completions", json={"prompt": QUESTION}).status_code == 500
         assert client.get("/health").status_code == 503
+
+
+def test_bench_serve_mix_reads_ttft_and_the_counters(server):
+    from flash_dllm.bench.mix import MixServeConfig, MixSpec, bench_serve_mix
+
+    spec = MixSpec(num_requests=3, rate=20.0, prompt_lengths=(8, 16), max_tokens=(8,), methods=("parallel", "dual-cache"),
+                   routings=(None,), block_length=8, max_token_id=300)
+    result = bench_serve_mix(MixServeConfig(url=server, spec=spec))
+    assert [a.ok for a in result.answers] == [True] * 3, [a.error for a in result.answers]
+    assert all(0 < a.ttft_s <= a.e2e_s for a in result.answers)
+    assert result.compiles == (0, 0.0) and result.captures == (0, 0.0) and result.longest_step[0] > 0
