@@ -537,6 +537,39 @@ def cmd_serve(args):
         return 1
 
 
+def mix_spec_from_args(args):
+    from .bench.mix import MixSpec
+
+    return MixSpec(num_requests=args.requests, rate=args.rate, prompt_lengths=tuple(args.mix_prompt_lengths),
+                   max_tokens=tuple(args.mix_max_tokens), methods=tuple(args.mix_methods),
+                   routings=tuple(None if r == "dense" else r for r in args.mix_routings),
+                   block_length=args.mix_block_length, seed=args.mix_seed)
+
+
+def describe_mix(spec) -> str:
+    routings = ", ".join(r or "dense" for r in spec.routings)
+    return (f"{spec.num_requests} requests at {spec.rate:g}/s (Poisson, seed {spec.seed}); prompt lengths "
+            f"{list(spec.prompt_lengths)}, max_tokens {list(spec.max_tokens)}, methods {', '.join(spec.methods)}, "
+            f"routings {routings}")
+
+
+def cmd_bench_mix(args):
+    """The mix offline: the engine's loop with arrivals, after the warm-up `serve` runs before ready."""
+    import torch
+
+    from .bench.mix import format_report, run_offline, warm_up
+
+    spec = mix_spec_from_args(args)
+    llm = llm_from_args(args, max_batch_size=args.max_batch)
+    start = time.perf_counter()
+    warm_up(llm, spec, requests=not args.no_warm_up_requests)
+    device_name = torch.cuda.get_device_name(llm.device) if llm.device.type == "cuda" else "cpu"
+    print(f"# bench mix: {args.model} on {device_name}, {llm.dtype}, max batch {args.max_batch}; "
+          f"{describe_mix(spec)}; warm-up {time.perf_counter() - start:.1f} s"
+          + (" (KV cache and compile_kernels only)" if args.no_warm_up_requests else ""))
+    print(format_report(run_offline(llm, spec)))
+
+
 def cmd_bench_serve(args):
     from .bench.serve import HEADER, ServeBenchConfig, bench_serve
     from .markdown import markdown_table
@@ -547,6 +580,16 @@ def cmd_bench_serve(args):
         raise ValueError(f"--fields is not valid JSON ({e.msg})") from None
     if not isinstance(fields, dict):
         raise ValueError("--fields must be a JSON object of request fields")
+    if args.mix:
+        from .bench.mix import MixServeConfig, bench_serve_mix, format_report
+
+        spec = mix_spec_from_args(args)
+        result = bench_serve_mix(MixServeConfig(url=args.url, spec=spec, fields=fields, api_key=args.api_key))
+        print(f"# bench serve --mix: {args.url}; {describe_mix(spec)}; fields {json.dumps(fields)}")
+        print(format_report(result))
+        for answer in [a for a in result.answers if a.error][:5]:
+            print(f"error: request {answer.request.index}: {answer.error}", file=sys.stderr)
+        return
     fields.update({name: getattr(args, name) for name in ("method", "max_tokens", "temperature")
                    if getattr(args, name) is not None})
     config = ServeBenchConfig(url=args.url, clients=args.clients, duration_s=args.duration, prompts=args.prompts,
@@ -558,6 +601,25 @@ def cmd_bench_serve(args):
     print(markdown_table(HEADER, [result.row()]))
     for answer in [a for a in result.answers if a.error][:5]:
         print(f"error: prompt {answer.prompt}: {answer.status} {answer.error}", file=sys.stderr)
+
+
+def add_mix_args(parser):
+    from .bench.mix import MixSpec
+
+    d = MixSpec()
+    parser.add_argument("--rate", type=float, default=d.rate, help="mix: requests per second (Poisson arrivals)")
+    parser.add_argument("--requests", type=at_least(1), default=d.num_requests, help="mix: requests sent")
+    parser.add_argument("--mix-prompt-lengths", type=at_least(1), nargs="+", default=list(d.prompt_lengths),
+                        help="mix: prompt lengths (random token ids), one drawn per request")
+    parser.add_argument("--mix-max-tokens", type=at_least(1), nargs="+", default=list(d.max_tokens),
+                        help="mix: generation lengths, one drawn per request")
+    parser.add_argument("--mix-methods", nargs="+", choices=list(METHODS), default=list(d.methods),
+                        help="mix: methods, one drawn per request")
+    parser.add_argument("--mix-routings", nargs="+", choices=["dense", *POLICIES], default=["dense", "chunk"],
+                        help="mix: prompt-KV routings of the cached methods' requests, one drawn per request")
+    parser.add_argument("--mix-block-length", type=at_least(1), default=d.block_length,
+                        help="mix: block length (at most each request's max_tokens)")
+    parser.add_argument("--mix-seed", type=int, default=d.seed, help="mix: the seed of the whole mix")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -702,7 +764,19 @@ def build_parser() -> argparse.ArgumentParser:
     bserve.add_argument("--temperature", type=float, help="request field (default: the server's)")
     bserve.add_argument("--fields", default="{}", help='other request fields as JSON, e.g. \'{"threshold": 0.8}\'')
     bserve.add_argument("--api-key")
+    bserve.add_argument("--mix", action="store_true", help="instead: a seeded mix of prompt lengths, max_tokens, methods "
+                        "and routings arriving at --rate (Poisson); TTFT and end-to-end p50/p90/p99 per method, the "
+                        "compiles and graph captures after ready")
+    add_mix_args(bserve)
     bserve.set_defaults(func=cmd_bench_serve)
+    bmix = bench_sub.add_parser("mix", help="bench serve --mix offline: the engine's loop with arrivals, after the "
+                                            "server's warm-up")
+    add_model_args(bmix, default_model="random:llada-8b")
+    bmix.add_argument("--max-batch", type=at_least(1), default=32, help="most requests decoded together")
+    bmix.add_argument("--no-warm-up-requests", action="store_true",
+                      help="warm up as before issue 40: the KV cache and the synthetic passes' compiles only")
+    add_mix_args(bmix)
+    bmix.set_defaults(func=cmd_bench_mix)
     return parser
 
 

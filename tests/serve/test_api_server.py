@@ -223,8 +223,14 @@ def test_metrics(client):
     client.post("/v1/completions", json={"prompt": QUESTION, "method": "flash-cache"})
     text = client.get("/metrics").text
     for name in ("requests_total", "requests_waiting", "tokens_per_second", "nfe_total", "tokens_per_step",
-                 "kv_cache_usage_ratio", "generated_tokens_total"):
+                 "kv_cache_usage_ratio", "generated_tokens_total", "start_up_seconds",
+                 "kernel_compiles_after_ready_total", "kernel_compile_seconds_after_ready_total",
+                 "graph_captures_after_ready_total", "graph_capture_seconds_after_ready_total", "step_seconds_max",
+                 "step_seconds_max_ratio"):
         assert f"# TYPE flash_dllm_{name} " in text
+    # the CPU's PyTorch path compiles and captures nothing; its steps were timed
+    assert metric(client, "flash_dllm_graph_captures_after_ready_total") == 0
+    assert metric(client, "flash_dllm_step_seconds_max") > 0 and metric(client, "flash_dllm_step_seconds_max_ratio") >= 1
     rows = next(line for line in text.splitlines() if line.startswith("flash_dllm_kv_cache_rows "))
     assert float(rows.split()[1]) > 0
 
@@ -391,3 +397,14 @@ def test_a_dead_engine_answers_instead_of_hanging(start_server):
         for _ in range(4):
             assert client.post("/v1/completions", json={"prompt": QUESTION}).status_code == 500
         assert client.get("/health").status_code == 503
+
+
+def test_bench_serve_mix_reads_ttft_and_the_counters(server):
+    from flash_dllm.bench.mix import MixServeConfig, MixSpec, bench_serve_mix
+
+    spec = MixSpec(num_requests=3, rate=20.0, prompt_lengths=(8, 16), max_tokens=(8,), methods=("parallel", "dual-cache"),
+                   routings=(None,), block_length=8, max_token_id=300)
+    result = bench_serve_mix(MixServeConfig(url=server, spec=spec))
+    assert [a.ok for a in result.answers] == [True] * 3, [a.error for a in result.answers]
+    assert all(0 < a.ttft_s <= a.e2e_s for a in result.answers)
+    assert result.compiles == (0, 0.0) and result.captures == (0, 0.0) and result.longest_step[0] > 0

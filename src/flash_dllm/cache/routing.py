@@ -104,7 +104,8 @@ class PromptRouting:
         builds no k-means regions (its steps may recompute prompt positions, which the regions' layout forbids).
         `clustered`: per request, whether its k-means regions exist (a full pass after its prefill keeps their
         keys' assignment: k-means runs once per request; default: none exist)."""
-        policies = [policy if budget < 1 else None for policy, budget in zip(policies, budgets)]
+        # a dense request (no policy, no budget) may share the batch of routed ones: its keys are counted only
+        policies = [policy if policy is not None and budget < 1 else None for policy, budget in zip(policies, budgets)]
         top_k = [chunks_opened(length, budget) if policy else 0
                  for length, budget, policy in zip(prompt_lens, budgets, policies)]
         prompt_len = constant(prompt_lens)

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache.attention_metadata import AttentionMetadata, device_tensor
+from .counters import COUNTERS
 
 CAPTURE_AFTER = 1  # eager sightings of a shape before it is captured (a call may ask for more)
 # Graphs kept (the least recently used dropped first): a batch-1 Elastic-Cache request of 512 tokens meets ~17 row
@@ -148,10 +149,11 @@ class GraphedCalls:
                 self.sightings[key] = seen + 1
                 return fn(*tensors)
             self.sightings.pop(key, None)
-            try:
-                captured = self._capture(fn, tensors, run_first=seen == 0 or self.stream is None)
-            except _NotUploaded:  # a host list of its eager sighting has left the memo since
-                captured = self._capture(fn, tensors, run_first=True)
+            with COUNTERS.timed("captures", str(key[:3])):  # counted: /metrics' captures after ready
+                try:
+                    captured = self._capture(fn, tensors, run_first=seen == 0 or self.stream is None)
+                except _NotUploaded:  # a host list of its eager sighting has left the memo since
+                    captured = self._capture(fn, tensors, run_first=True)
             self.graphs[key] = captured
             self.captures += 1
             if len(self.graphs) > self.max_graphs:

@@ -32,6 +32,9 @@ from tqdm import tqdm
 from ..cache.attention_metadata import AttentionMetadata, FlatRows
 from ..cache.kv_cache import KVCache
 from ..kernels.greedy_tokens import greedy_tokens
+from .counters import install_compile_hooks
+
+install_compile_hooks()  # every compile from here on is counted (engine/counters.py), the warm-up's included
 
 # One row count per tile-size class of the kernels' launch configurations (by total and per-request rows),
 # each as one request and as several (the attention kernel's verify tiles depend on the batch too).
@@ -202,3 +205,58 @@ class CompileProgress:
             self.update()
         if self.bar is not None:
             self.bar.close()
+
+
+# Requests before ready: what compile_kernels' synthetic passes do not reach (routed passes and their routing
+# kernels, Elastic-Cache's drift test, chunk summaries, full passes, each method's own launches).
+WARM_UP_PROMPT_LENGTHS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
+WARM_UP_MAX_TOKENS = (32,)
+
+
+def warm_up_requests(llm, methods: tuple[str, ...] | None = None, routings: tuple[str | None, ...] | None = None,
+                     prompt_lengths: tuple[int, ...] = WARM_UP_PROMPT_LENGTHS,
+                     max_tokens: tuple[int, ...] = WARM_UP_MAX_TOKENS, block_length: int = 32) -> int:
+    """Run, through the first layer only and without CUDA graphs, a request of each method (default: every one
+    this model runs), routing (default: dense and every policy; cached methods only), generation length and
+    prompt length that fits (random token ids), alone and all prompt lengths twice in one batch: the kernel variants
+    they launch are compiled (loaded) here, not on a request's path. Every layer launches the variants of the
+    first. Returns how many requests ran. Call once the KV cache is allocated (`allocate_cache`)."""
+    from ..cache.routing import POLICIES
+    from ..decoding.registry import METHODS, method_of
+    from ..sampling_params import SamplingParams
+
+    methods = tuple(METHODS) if methods is None else methods
+    routings = (None, *POLICIES) if routings is None else routings
+    runner, engine = llm.runner, llm.engine
+    rows = runner.cache.num_rows if runner.cache is not None else llm.config.max_position
+    specials = {*llm.special.stop_ids, llm.special.mask_id}
+    ids = [i for i in range(16, 16 + 97 + len(specials)) if i not in specials][:97]  # ordinary tokens, any model
+    ran = 0
+    graphs, runner.graphs = runner.graphs, None  # a 1-layer capture would replay wrong later
+    try:
+        with first_layer_only(llm.model):
+            for method, routing, tokens in itertools.product(methods, routings, max_tokens):
+                if routing is not None and not method_of(method).uses_cache:
+                    continue
+                try:
+                    params = SamplingParams(method=method, max_tokens=tokens, block_length=min(block_length, tokens),
+                                            kv_routing=routing)
+                except ValueError:  # e.g. a generation length its blocks do not divide
+                    continue
+                lengths = [n for n in prompt_lengths
+                           if n + tokens <= min(rows, llm.config.max_position) and _fits(engine, n, params)]
+                prompts = [[ids[i % len(ids)] for i in range(n)] for n in lengths]
+                for batch in [[p] for p in prompts] + [prompts * 2]:  # alone, and several in one batch
+                    llm.generate(batch, params, use_tqdm=False)
+                    ran += len(batch)
+    finally:
+        runner.graphs = graphs
+    return ran
+
+
+def _fits(engine, prompt_length: int, params) -> bool:
+    try:
+        engine.check_fits(prompt_length, params)
+        return True
+    except ValueError:
+        return False

@@ -438,6 +438,19 @@ def prometheus_text(replicas: list[tuple[str | None, Stats, bool]], throttled: i
            each(lambda s: s.kv_cache_rows))
     metric("kv_cache_usage_ratio", "gauge", "Fraction of KV-cache rows held by requests.",
            each(lambda s: s.kv_cache_used / max(s.kv_cache_rows, 1)))
+    metric("start_up_seconds", "gauge", "Seconds from the engine loop's start to ready (KV cache, compiles, warm-up).",
+           each(lambda s: s.start_up_s))
+    metric("kernel_compiles_after_ready_total", "counter", "Triton kernel variants compiled (or loaded) on a "
+           "request's path, after ready.", each(lambda s: s.compiles_after_ready))
+    metric("kernel_compile_seconds_after_ready_total", "counter", "Seconds of those compiles.",
+           each(lambda s: s.compile_s_after_ready))
+    metric("graph_captures_after_ready_total", "counter", "CUDA graphs captured on a request's path, after ready.",
+           each(lambda s: s.captures_after_ready))
+    metric("graph_capture_seconds_after_ready_total", "counter", "Seconds of those captures.",
+           each(lambda s: s.capture_s_after_ready))
+    metric("step_seconds_max", "gauge", "The longest engine step of the last minute.", each(lambda s: s.longest_step_s))
+    metric("step_seconds_max_ratio", "gauge", "The longest step of the last minute over the median step of its batch "
+           "size in that minute.", each(lambda s: s.longest_step_ratio))
     if any(replica is not None for replica, _, _ in replicas):
         metric("replica_up", "gauge", "1 while the replica serves, 0 while it starts or once it has stopped.",
                [(labels(replica), int(up)) for replica, _, up in replicas])
@@ -450,6 +463,9 @@ def start_up(llm: LLM, defaults: ServerDefaults):
     The cache's budget leaves room for Elastic-Cache's per-layer hidden states, which any request may ask for:
     allocated later, beyond the budget, they could run the device out of memory while serving."""
     llm.runner.allocate_cache(with_hidden=True)
+    if llm.runner.kernels and llm.device.type == "cuda":  # the variants compile_kernels' passes do not reach
+        from ..engine.warmup import warm_up_requests
+        warm_up_requests(llm)
     probe = llm.encode("Hello") if llm.tokenizer is not None else [1, 2, 3, 4]
     llm.generate([probe], defaults.params, use_tqdm=False)
 
@@ -483,8 +499,10 @@ def serve(llm: LLM, config: ServeConfig, sock: socket.socket, pool: ReplicaPool 
             raise
         ready()
 
+    started = time.perf_counter()
+
     def ready():
-        print("flash-dllm: ready", file=sys.stderr, flush=True)
+        print(f"flash-dllm: ready ({time.perf_counter() - started:.1f} s after listening)", file=sys.stderr, flush=True)
 
     def replica_failed(error: BaseException):
         failed.append(error)

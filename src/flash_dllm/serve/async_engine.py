@@ -23,6 +23,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..engine.counters import ReadyMark, StepLog
 from ..engine.sequence import Sequence
 from ..llm import LLM
 from ..sampling_params import SamplingParams
@@ -84,6 +85,15 @@ class Stats:
     kv_cache_rows: int = 0
     kv_cache_used: int = 0
     recent: deque = field(default_factory=deque)  # (finish time, tokens) of the last minute
+    # On a request's path (engine/counters.py): kernel compiles and CUDA-graph captures after ready, with their
+    # seconds; the longest step of the last minute and its ratio to the median step of its batch size there.
+    start_up_s: float = 0.0
+    compiles_after_ready: int = 0
+    compile_s_after_ready: float = 0.0
+    captures_after_ready: int = 0
+    capture_s_after_ready: float = 0.0
+    longest_step_s: float = 0.0
+    longest_step_ratio: float = 0.0
 
     def tokens_per_s(self, window_s: float = 10.0) -> float:
         now = time.perf_counter()
@@ -95,6 +105,8 @@ class AsyncEngine:
         self.llm = llm
         self.engine = llm.engine
         self.stats = Stats()
+        self.ready_mark = ReadyMark()
+        self.step_log = StepLog()
         self._start_up = start_up
         self.ready = threading.Event()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -124,7 +136,15 @@ class AsyncEngine:
 
     async def replica_stats(self) -> list[tuple[str | None, Stats, bool]]:
         """/metrics' counters: one replica, without a label."""
+        self.update_path_counters()
         return [(None, self.stats, self.is_alive() and self.ready.is_set())]
+
+    def update_path_counters(self):
+        """Stats' compiles, captures and longest step, as of now."""
+        after, stats = self.ready_mark.after(), self.stats
+        stats.compiles_after_ready, stats.compile_s_after_ready = after["compiles"].count, after["compiles"].seconds
+        stats.captures_after_ready, stats.capture_s_after_ready = after["captures"].count, after["captures"].seconds
+        stats.longest_step_s, stats.longest_step_ratio = self.step_log.longest()
 
     def shutdown(self):
         self._stop.set()
@@ -190,8 +210,11 @@ class AsyncEngine:
     def _loop(self):
         message = "the server is shutting down"
         try:
+            start = time.perf_counter()
             if self._start_up is not None:
                 self._start_up()
+            self.stats.start_up_s = time.perf_counter() - start
+            self.ready_mark.mark()  # compiles and captures from now on are on a request's path
             self.ready.set()
             self._serve()
         except BaseException as error:
@@ -216,7 +239,9 @@ class AsyncEngine:
                 self._wakeup.clear()
                 continue
             try:
+                start = time.perf_counter()
                 finished = self.engine.step()
+                self.step_log.record(time.perf_counter() - start, len(self.engine.running))
                 streaming = [(seq, *self._active[seq]) for seq in self.engine.running
                              if not seq.is_finished and seq in self._active and self._active[seq][0].stream]
                 self._post_prefixes(streaming)

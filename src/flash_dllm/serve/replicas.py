@@ -128,6 +128,7 @@ class ReplicaEngine(AsyncEngine):
             self.abort(request)
 
     def snapshot(self) -> Stats:
+        self.update_path_counters()
         stats = self.stats
         return replace(stats, finished=dict(stats.finished), recent=deque(stats.recent))
 

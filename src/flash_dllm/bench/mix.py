@@ -1,0 +1,332 @@
+"""Mixed traffic: a seeded mix of prompt lengths, generation lengths, methods and routings arriving as a Poisson
+process, against a server (`flash-dllm bench serve --mix`) or offline through the engine (`flash-dllm bench mix`).
+
+Each request's time to its first streamed chunk (TTFT) and to its end, both from its arrival; p50/p90/p99 of
+both per method and routing; for requests of equal shape (method, routing, prompt and generation length) the
+worst p99/p50 of end-to-end latency; the kernel compiles and CUDA-graph captures after ready and their time
+(engine/counters.py: from /metrics before and after, or in process); the steps' times by batch size (offline: each
+step; server: the longest step of each minute over its batch size's median, from /metrics while the mix runs).
+
+Prompts are random token ids (a seeded stream per request); answers are not checked (`bench serve` checks them).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..engine.counters import ReadyMark, percentile, step_ratios
+
+DENSE = "dense"  # the routing label of requests without kv_routing
+
+
+@dataclass(frozen=True)
+class MixSpec:
+    """The mix: each request draws a method, then (cached methods only) a routing, a prompt length and a generation
+    length uniformly from these; arrivals are a Poisson process of `rate` requests per second."""
+
+    num_requests: int = 200
+    rate: float = 2.0
+    prompt_lengths: tuple[int, ...] = (64, 256, 1024, 4096, 8192)
+    max_tokens: tuple[int, ...] = (32, 128, 512)
+    methods: tuple[str, ...] = ("prefix-cache", "dual-cache", "flash-cache", "flash-verify", "elastic")
+    routings: tuple[str | None, ...] = (None, "chunk")
+    block_length: int = 32
+    max_token_id: int = 1000  # prompt ids in [16, max_token_id): ordinary tokens of any model's vocabulary
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.num_requests <= 0 or self.rate <= 0:
+            raise ValueError("num_requests and rate must be positive")
+        if not (self.prompt_lengths and self.max_tokens and self.methods and self.routings):
+            raise ValueError("prompt_lengths, max_tokens, methods and routings must each name at least one")
+        if min(self.prompt_lengths) <= 0 or min(self.max_tokens) <= 0 or self.max_token_id <= 16:
+            raise ValueError("lengths must be positive and max_token_id above 16")
+        from ..decoding.registry import method_of
+        for method in self.methods:
+            method_of(method)  # an unknown method: a ValueError naming the methods
+
+
+@dataclass(frozen=True)
+class MixRequest:
+    index: int
+    arrival_s: float       # after the mix's start
+    prompt_ids: list[int]
+    max_tokens: int
+    method: str
+    kv_routing: str | None
+
+    @property
+    def group(self) -> tuple[str, str]:
+        return self.method, self.kv_routing or DENSE
+
+    @property
+    def shape(self) -> tuple:
+        return (*self.group, len(self.prompt_ids), self.max_tokens)
+
+    def fields(self, block_length: int) -> dict:
+        """The request's body fields besides the prompt."""
+        body = {"method": self.method, "max_tokens": self.max_tokens, "block_length": min(block_length, self.max_tokens),
+                "seed": self.index}
+        return body | ({"kv_routing": self.kv_routing} if self.kv_routing else {})
+
+
+def mix_requests(spec: MixSpec, vocab_size: int | None = None) -> list[MixRequest]:
+    """The mix's requests in arrival order: a function of the spec alone (and of vocab_size, which caps the ids)."""
+    from ..decoding.registry import method_of
+
+    rng = random.Random(spec.seed)
+    top = min(spec.max_token_id, vocab_size) if vocab_size else spec.max_token_id
+    requests, now = [], 0.0
+    for index in range(spec.num_requests):
+        now += rng.expovariate(spec.rate)
+        method = rng.choice(spec.methods)
+        routing = rng.choice(spec.routings) if method_of(method).uses_cache else None
+        length, tokens = rng.choice(spec.prompt_lengths), rng.choice(spec.max_tokens)
+        ids = random.Random(spec.seed * 1_000_003 + index)
+        requests.append(MixRequest(index, now, [ids.randrange(16, top) for _ in range(length)], tokens, method,
+                                   routing))
+    return requests
+
+
+@dataclass
+class MixAnswer:
+    request: MixRequest
+    ok: bool
+    ttft_s: float = 0.0     # arrival to the first streamed chunk
+    e2e_s: float = 0.0      # arrival to the end
+    tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class MixResult:
+    answers: list[MixAnswer]
+    wall_s: float
+    compiles: tuple[int, float] = (0, 0.0)   # after ready: (count, seconds)
+    captures: tuple[int, float] = (0, 0.0)
+    steps: list[tuple[float, int]] = field(default_factory=list)  # offline: (seconds, batch size) of each step
+    longest_step: tuple[float, float] = (0.0, 0.0)  # (seconds, over its batch size's median)
+    events: list = field(default_factory=list)  # the compiles and captures after ready (offline: the last ones)
+
+    @property
+    def ok(self) -> list[MixAnswer]:
+        return [a for a in self.answers if a.ok]
+
+    def group_rows(self) -> list[tuple]:
+        """Per (method, routing): requests, errors, TTFT and end-to-end p50/p90/p99, and the worst p99/p50 of
+        end-to-end latency over its shapes with at least two requests."""
+        rows = []
+        for group in sorted({a.request.group for a in self.answers}):
+            answers = [a for a in self.answers if a.request.group == group]
+            ok = [a for a in answers if a.ok]
+            ttft, e2e = [a.ttft_s for a in ok], [a.e2e_s for a in ok]
+            rows.append((*group, len(answers), len(answers) - len(ok),
+                         *(f"{percentile(ttft, q):.3f}" for q in (0.5, 0.9, 0.99)),
+                         *(f"{percentile(e2e, q):.3f}" for q in (0.5, 0.9, 0.99)),
+                         f"{worst_shape_ratio(ok):.2f}"))
+        return rows
+
+    def summary_row(self) -> tuple:
+        tokens = sum(a.tokens for a in self.ok)
+        steps = step_ratios(self.steps)
+        worst = max((ratio for _, _, ratio in steps.values()), default=self.longest_step[1])
+        return (len(self.answers), len(self.answers) - len(self.ok), f"{self.wall_s:.1f}",
+                f"{len(self.ok) / self.wall_s:.2f}", f"{tokens / self.wall_s:.1f}", self.compiles[0],
+                f"{self.compiles[1]:.2f}", self.captures[0], f"{self.captures[1]:.2f}", f"{worst:.2f}")
+
+
+GROUP_HEADER = ("method", "routing", "requests", "errors", "TTFT p50 s", "TTFT p90 s", "TTFT p99 s", "e2e p50 s",
+                "e2e p90 s", "e2e p99 s", "worst shape p99/p50")
+SUMMARY_HEADER = ("requests", "errors", "wall s", "requests/s", "tokens/s", "compiles after ready", "compile s",
+                  "captures after ready", "capture s", "longest step / median of its batch size")
+STEP_HEADER = ("batch size", "steps", "median step ms", "longest / median")
+
+
+def worst_shape_ratio(answers: list[MixAnswer]) -> float:
+    """The largest p99/p50 of end-to-end latency over the shapes with at least two answers (1.0 for none)."""
+    by_shape: dict[tuple, list[float]] = {}
+    for a in answers:
+        by_shape.setdefault(a.request.shape, []).append(a.e2e_s)
+    ratios = [percentile(v, 0.99) / percentile(v, 0.5) for v in by_shape.values()
+              if len(v) >= 2 and percentile(v, 0.5) > 0]
+    return max(ratios, default=1.0)
+
+
+def format_report(result: MixResult) -> str:
+    from ..markdown import markdown_table
+
+    parts = [markdown_table(SUMMARY_HEADER, [result.summary_row()]), "", markdown_table(GROUP_HEADER,
+                                                                                           result.group_rows())]
+    if result.steps:
+        rows = [(batch, n, f"{median * 1e3:.1f}", f"{ratio:.2f}")
+                for batch, (n, median, ratio) in step_ratios(result.steps).items()]
+        parts += ["", markdown_table(STEP_HEADER, rows)]
+    if result.events:
+        parts += ["", "after ready: " + "; ".join(f"{e.kind[:-1]} {e.name} {e.seconds:.3f} s" for e in result.events)]
+    return "\n".join(parts)
+
+
+# Offline: the engine's loop with arrivals (LLM.generate takes its prompts at once; this is its loop, adding each
+# request at its arrival time).
+
+def run_offline(llm, spec: MixSpec, requests: list[MixRequest] | None = None) -> MixResult:
+    """The mix through llm's engine in this process, in real time. Compiles and captures count from this call's
+    start: warm the engine up first (`warm_up`) to see what a served request would wait for."""
+    from ..sampling_params import SamplingParams
+
+    engine = llm.engine
+    requests = mix_requests(spec, llm.config.vocab_size) if requests is None else requests
+    pending, mark, steps = deque(requests), ReadyMark(), []
+    live: dict = {}  # seq -> (request, first chunk time or None)
+    answers: dict[int, MixAnswer] = {}
+    mark.mark()
+    start = time.perf_counter()
+    while pending or engine.has_unfinished():
+        now = time.perf_counter() - start
+        while pending and pending[0].arrival_s <= now:
+            request = pending.popleft()
+            fields = request.fields(spec.block_length)
+            try:
+                params = SamplingParams(method=fields["method"], max_tokens=fields["max_tokens"],
+                                        block_length=fields["block_length"], seed=fields["seed"],
+                                        kv_routing=request.kv_routing)
+                live[engine.add_request(request.prompt_ids, params)] = [request, None]
+            except ValueError as error:
+                answers[request.index] = MixAnswer(request, False, error=str(error))
+        if not engine.has_unfinished():
+            time.sleep(max(pending[0].arrival_s - (time.perf_counter() - start), 0))
+            continue
+        began = time.perf_counter()
+        finished = engine.step()
+        ended = time.perf_counter()
+        steps.append((ended - began, len(engine.running)))
+        at = ended - start
+        for seq in engine.running:
+            if seq in live and live[seq][1] is None and seq.final_length > 0:
+                live[seq][1] = at
+        for seq in finished:
+            if seq not in live:
+                continue
+            request, first = live.pop(seq)
+            first = at if first is None else first
+            answers[request.index] = MixAnswer(request, True, first - request.arrival_s, at - request.arrival_s,
+                                               len(seq.output_ids))
+    wall = time.perf_counter() - start
+    after = mark.after()
+    return MixResult([answers[r.index] for r in requests], wall, (after["compiles"].count, after["compiles"].seconds),
+                     (after["captures"].count, after["captures"].seconds), steps, events=mark.events_after())
+
+
+def warm_up(llm, spec: MixSpec, requests: bool = True):
+    """What `serve` does before ready, for the mix's methods and routings: the KV cache with the hidden states
+    (and with it compile_kernels), then warm_up_requests over the mix's lengths (requests=False: as before issue
+    40, the cache and compile_kernels only)."""
+    from ..engine.warmup import warm_up_requests
+
+    llm.runner.allocate_cache(with_hidden=True)
+    if requests:
+        warm_up_requests(llm, methods=spec.methods, routings=spec.routings, prompt_lengths=spec.prompt_lengths,
+                         max_tokens=spec.max_tokens, block_length=spec.block_length)
+
+
+# Against a server.
+
+@dataclass(frozen=True)
+class MixServeConfig:
+    url: str = "http://127.0.0.1:8000"
+    spec: MixSpec = MixSpec()
+    fields: dict = field(default_factory=dict)  # extra request fields for every request (knobs, temperature)
+    api_key: str | None = None
+    metrics_every_s: float = 15.0  # /metrics' longest step of the last minute, read this often
+
+
+def metric_sums(text: str) -> dict[str, float]:
+    """Prometheus text -> each metric's value summed over its labels (replicas)."""
+    sums: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            name = name.split("{", 1)[0]
+            sums[name] = sums.get(name, 0.0) + float(value)
+    return sums
+
+
+def metric_max(text: str, name: str) -> float:
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith(name + " ") or line.startswith(name + "{")]
+    return max(values, default=0.0)
+
+
+async def send(client, config: MixServeConfig, request: MixRequest, start: float) -> MixAnswer:
+    body = {"prompt": request.prompt_ids, "stream": True, "return_token_ids": True,
+            **request.fields(config.spec.block_length), **config.fields}
+    arrival = start + request.arrival_s
+    first, tokens = None, 0
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                return MixAnswer(request, False, error=f"{response.status_code} {(await response.aread())[:200]!r}")
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: "):])
+                if "error" in chunk:
+                    return MixAnswer(request, False, error=chunk["error"]["message"])
+                first = time.perf_counter() if first is None else first
+                tokens += sum(len(c.get("token_ids") or []) for c in chunk["choices"])
+    except Exception as error:  # httpx's errors, a broken stream
+        return MixAnswer(request, False, error=f"{type(error).__name__}: {error}")
+    end = time.perf_counter()
+    return MixAnswer(request, True, (first or end) - arrival, end - arrival, tokens)
+
+
+async def run_online(config: MixServeConfig) -> MixResult:
+    import httpx
+
+    spec = config.spec
+    requests = mix_requests(spec)
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    limits = httpx.Limits(max_connections=spec.num_requests + 2)
+    async with httpx.AsyncClient(base_url=config.url, timeout=3600, limits=limits, headers=headers) as client:
+        try:
+            health = await client.get("/health")
+        except httpx.ConnectError:
+            raise ValueError(f"no server answers at {config.url} (start one with `flash-dllm serve`)") from None
+        if health.status_code != 200:
+            raise ValueError(f"{config.url}/health answered {health.status_code}")
+        before = metric_sums((await client.get("/metrics")).text)
+        longest: list[tuple[float, float]] = []
+
+        async def sample_steps():
+            while True:
+                await asyncio.sleep(config.metrics_every_s)
+                text = (await client.get("/metrics")).text
+                longest.append((metric_max(text, "flash_dllm_step_seconds_max"),
+                                metric_max(text, "flash_dllm_step_seconds_max_ratio")))
+
+        sampler = asyncio.create_task(sample_steps())
+        start = time.perf_counter()
+        tasks = []
+        for request in requests:
+            await asyncio.sleep(max(start + request.arrival_s - time.perf_counter(), 0))
+            tasks.append(asyncio.create_task(send(client, config, request, start)))
+        answers = await asyncio.gather(*tasks)
+        wall = time.perf_counter() - start
+        sampler.cancel()
+        text = (await client.get("/metrics")).text
+        after = metric_sums(text)
+        longest.append((metric_max(text, "flash_dllm_step_seconds_max"),
+                        metric_max(text, "flash_dllm_step_seconds_max_ratio")))
+    delta = lambda name: after.get(f"flash_dllm_{name}", 0.0) - before.get(f"flash_dllm_{name}", 0.0)
+    return MixResult(list(answers), wall,
+                     (int(delta("kernel_compiles_after_ready_total")), delta("kernel_compile_seconds_after_ready_total")),
+                     (int(delta("graph_captures_after_ready_total")), delta("graph_capture_seconds_after_ready_total")),
+                     longest_step=max(longest, key=lambda s: s[1]))
+
+
+def bench_serve_mix(config: MixServeConfig) -> MixResult:
+    return asyncio.run(run_online(config))

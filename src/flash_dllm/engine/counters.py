@@ -1,0 +1,274 @@
+"""What a request may wait for besides its own work: kernel compiles, CUDA-graph captures, and long steps.
+
+Counted process-wide (a data-parallel replica is a process of its own, so its counts are its own):
+- compiles: each new Triton kernel variant. On the GPU, each call of Triton's `JITFunction._do_compile` (a
+  variant missing from the kernel's in-memory cache: compiled, or loaded from the disk cache), timed from the
+  launch that found it missing to the launch's return (the launcher's build and the module's load included).
+  Under TRITON_INTERPRET nothing compiles: the first launch of each variant key is counted instead, the key
+  Triton would compile under (the constexpr values, each tensor's dtype and 16-byte alignment, each integer's
+  width and whether it is 1 or a multiple of 16, unless the kernel marks it do_not_specialize; the launch
+  options). So a CPU test sees which variants a request would compile on the GPU.
+- captures: each CUDA graph captured (engine/cuda_graphs.py), with its host time (its eager first run
+  included where the capture runs one).
+`ReadyMark` takes a baseline when a server (or a benchmark) reports ready: what is counted after it happened on
+a request's path. `StepLog` keeps the engine's steps of the last minute (their time and batch size).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import logging
+import math
+import statistics
+import threading
+import time
+from collections import deque
+
+log = logging.getLogger("flash_dllm.counters")
+KINDS = ("compiles", "captures")
+RECENT = 32  # the last events kept, for reports
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    kind: str      # "compiles" or "captures"
+    name: str      # the kernel's name, or the graph's key
+    seconds: float
+    when: float    # time.perf_counter() at its end
+
+
+@dataclasses.dataclass(frozen=True)
+class Tally:
+    count: int = 0
+    seconds: float = 0.0
+
+    def __sub__(self, other: Tally) -> Tally:
+        return Tally(self.count - other.count, self.seconds - other.seconds)
+
+
+class Counters:
+    """Process-wide tallies of compiles and captures, and the last RECENT events."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._tallies = {kind: Tally() for kind in KINDS}
+        self.recent: deque[Event] = deque(maxlen=RECENT)
+
+    def record(self, kind: str, seconds: float, name: str = ""):
+        with self._lock:
+            tally = self._tallies[kind]
+            self._tallies[kind] = Tally(tally.count + 1, tally.seconds + seconds)
+            self.recent.append(Event(kind, name, seconds, time.perf_counter()))
+
+    def snapshot(self) -> dict[str, Tally]:
+        with self._lock:
+            return dict(self._tallies)
+
+    @contextlib.contextmanager
+    def timed(self, kind: str, name: str = ""):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.record(kind, time.perf_counter() - start, name)
+
+
+COUNTERS = Counters()
+
+
+class ReadyMark:
+    """A baseline of COUNTERS: `after()` is what was counted since `mark()` (zero before it)."""
+
+    def __init__(self, counters: Counters = COUNTERS):
+        self.counters = counters
+        self.baseline: dict[str, Tally] | None = None
+        self.when: float | None = None
+
+    def mark(self):
+        self.baseline, self.when = self.counters.snapshot(), time.perf_counter()
+
+    def after(self) -> dict[str, Tally]:
+        if self.baseline is None:
+            return {kind: Tally() for kind in KINDS}
+        now = self.counters.snapshot()
+        return {kind: now[kind] - self.baseline[kind] for kind in KINDS}
+
+    def events_after(self) -> list[Event]:
+        """The recent events after the mark (at most RECENT)."""
+        return [e for e in list(self.counters.recent) if self.when is not None and e.when > self.when]
+
+
+class StepLog:
+    """The engine's steps of the last `window_s` seconds: (end time, seconds, batch size)."""
+
+    def __init__(self, window_s: float = 60.0):
+        self.window_s = window_s
+        self.steps: deque[tuple[float, float, int]] = deque()
+        self._lock = threading.Lock()  # the engine's thread records, /metrics reads
+
+    def record(self, seconds: float, batch_size: int, now: float | None = None):
+        now = time.perf_counter() if now is None else now
+        with self._lock:
+            self.steps.append((now, seconds, batch_size))
+            while self.steps and now - self.steps[0][0] > self.window_s:
+                self.steps.popleft()
+
+    def longest(self, now: float | None = None) -> tuple[float, float]:
+        """(seconds of the longest step of the window, its ratio to the median step of its batch size there);
+        (0, 0) without steps."""
+        now = time.perf_counter() if now is None else now
+        with self._lock:
+            steps = [s for s in self.steps if now - s[0] <= self.window_s]
+        if not steps:
+            return 0.0, 0.0
+        _, seconds, batch = max(steps, key=lambda s: s[1])
+        median = statistics.median(s for _, s, b in steps if b == batch)
+        return seconds, seconds / median if median > 0 else 0.0
+
+
+def step_ratios(steps: list[tuple[float, int]]) -> dict[int, tuple[int, float, float]]:
+    """steps: (seconds, batch size) -> per batch size: (steps, median seconds, longest over median)."""
+    by_batch: dict[int, list[float]] = {}
+    for seconds, batch in steps:
+        by_batch.setdefault(batch, []).append(seconds)
+    out = {}
+    for batch, times in sorted(by_batch.items()):
+        median = statistics.median(times)
+        out[batch] = (len(times), median, max(times) / median if median > 0 else 0.0)
+    return out
+
+
+# The hooks into Triton.
+
+_installed: list[str] = []
+_local = threading.local()
+
+
+def install_compile_hooks() -> str:
+    """Count compiles into COUNTERS from now on (idempotent): "triton" (the GPU path's _do_compile), "interpreter"
+    (first launches of variant keys), or "none" (no Triton, or one without the method hooked: nothing counted)."""
+    if _installed:
+        return _installed[0]
+    try:
+        import triton  # noqa: F401
+        from triton import knobs
+    except ImportError:
+        _installed.append("none")
+        return "none"
+    interpret = bool(knobs.runtime.interpret) if hasattr(knobs, "runtime") else False
+    if interpret:
+        from triton.runtime.interpreter import InterpretedFunction
+        _hook_interpreter(InterpretedFunction)
+        _installed.append("interpreter")
+        return "interpreter"
+    from triton.runtime.jit import JITFunction
+    if not hasattr(JITFunction, "_do_compile"):
+        log.warning("this Triton has no JITFunction._do_compile: kernel compiles are not counted")
+        _installed.append("none")
+        return "none"
+    _hook_jit(JITFunction)
+    _installed.append("triton")
+    return "triton"
+
+
+def _hook_jit(jit_function):
+    do_compile, run = jit_function._do_compile, jit_function.run
+
+    def counted_do_compile(self, *args, **kwargs):
+        _local.compiled = self.fn.__name__
+        return do_compile(self, *args, **kwargs)
+
+    def counted_run(self, *args, **kwargs):
+        outer, _local.compiled = getattr(_local, "compiled", None), None
+        start = time.perf_counter()
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            if _local.compiled is not None:
+                COUNTERS.record("compiles", time.perf_counter() - start, _local.compiled)
+            _local.compiled = outer
+
+    jit_function._do_compile, jit_function.run = counted_do_compile, counted_run
+
+
+_seen_variants: set[tuple] = set()
+
+
+def _hook_interpreter(interpreted_function):
+    run = interpreted_function.run
+
+    def counted_run(self, *args, grid, warmup, **kwargs):
+        key = variant_key(self, args, kwargs)
+        if key in _seen_variants:
+            return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+        _seen_variants.add(key)
+        start = time.perf_counter()
+        try:
+            return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+        finally:  # the first run of a variant stands for its compile
+            COUNTERS.record("compiles", time.perf_counter() - start, self.fn.__name__)
+
+    interpreted_function.run = counted_run
+
+
+_parameters: dict = {}
+
+
+def variant_key(function, args: tuple, kwargs: dict) -> tuple:
+    """The key Triton (3.x) compiles a launch of `function` (an InterpretedFunction) under: per parameter its
+    constexpr value, or its specialisation; and the launch options (num_warps, num_stages ...)."""
+    fn = function.fn
+    if fn not in _parameters:
+        options = getattr(function, "kwargs", {}) or {}
+        _parameters[fn] = (list(inspect.signature(fn).parameters.values()),
+                           set(options.get("do_not_specialize") or ()),
+                           set(options.get("do_not_specialize_on_alignment") or ()))
+    params, no_value, no_alignment = _parameters[fn]
+    bound = dict(zip((p.name for p in params), args))
+    bound.update((k, v) for k, v in kwargs.items() if k not in bound)
+    key = [fn.__module__, fn.__qualname__]
+    for index, p in enumerate(params):
+        value = bound.get(p.name, p.default)
+        if "constexpr" in str(p.annotation):
+            key.append(("constexpr", _hashable(getattr(value, "value", value))))
+        else:
+            key.append(_specialisation(value, p.name in no_value or index in no_value,
+                                       p.name in no_alignment or index in no_alignment))
+    names = {p.name for p in params}
+    key.append(tuple(sorted((k, _hashable(v)) for k, v in kwargs.items() if k not in names)))
+    return tuple(key)
+
+
+def _specialisation(value, no_value: bool, no_alignment: bool):
+    if value is None:
+        return None
+    if hasattr(value, "data_ptr") and hasattr(value, "dtype"):
+        return ("tensor", str(value.dtype), no_alignment or value.data_ptr() % 16 == 0)
+    if isinstance(value, bool):
+        return ("i1",)
+    if isinstance(value, int):
+        width = "i32" if -2**31 <= value < 2**31 else ("u64" if value >= 2**63 else "i64")
+        return (width,) if no_value else (width, value == 1, value % 16 == 0)
+    if isinstance(value, float):
+        return ("fp32",)
+    if isinstance(value, tuple):
+        return tuple(_specialisation(v, no_value, no_alignment) for v in value)
+    return (type(value).__name__, _hashable(value))
+
+
+def _hashable(value):
+    try:
+        hash(value)
+        return value
+    except TypeError:
+        return repr(value)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The nearest-rank q-quantile (0 < q <= 1) of values; 0.0 for none."""
+    ordered = sorted(values)
+    if not ordered:
+        return 0.0
+    return ordered[min(max(math.ceil(q * len(ordered) - 1e-9) - 1, 0), len(ordered) - 1)]
+

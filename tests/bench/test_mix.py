@@ -1,0 +1,49 @@
+"""The mixed-load benchmark: a seeded mix, and offline after the server's warm-up no kernel variant is new."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from flash_dllm import LLM
+from flash_dllm.bench.mix import (MixAnswer, MixResult, MixSpec, format_report, metric_sums, mix_requests,
+                                  run_offline, warm_up, worst_shape_ratio)
+
+
+def test_the_mix_is_seeded_and_draws_from_its_spec():
+    spec = MixSpec(num_requests=400, rate=4.0, prompt_lengths=(64, 512), max_tokens=(32, 256),
+                   methods=("parallel", "flash-cache"), routings=(None, "chunk"), seed=3)
+    requests = mix_requests(spec)
+    assert requests == mix_requests(spec) and requests != mix_requests(MixSpec(**{**spec.__dict__, "seed": 4}))
+    assert {len(r.prompt_ids) for r in requests} == {64, 512} and {r.max_tokens for r in requests} == {32, 256}
+    assert {r.group for r in requests} == {("parallel", "dense"), ("flash-cache", "dense"), ("flash-cache", "chunk")}
+    arrivals = [r.arrival_s for r in requests]
+    assert arrivals == sorted(arrivals) and 400 / arrivals[-1] == pytest.approx(4.0, rel=0.2)  # Poisson at the rate
+    assert max(max(r.prompt_ids) for r in mix_requests(spec, vocab_size=100)) < 100
+
+
+def test_report_per_method_and_shape():
+    spec = MixSpec(num_requests=4, methods=("flash-cache",), routings=(None,), prompt_lengths=(64,), max_tokens=(32,))
+    requests = mix_requests(spec)
+    answers = [MixAnswer(r, True, 0.1, e2e, 32) for r, e2e in zip(requests, (1.0, 1.0, 1.2, 2.0))]
+    assert worst_shape_ratio(answers) == 2.0  # p99 2.0 over p50 1.0
+    row = MixResult(answers, wall_s=4.0).group_rows()[0]
+    assert row[:4] == ("flash-cache", "dense", 4, 0) and row[7:] == ("1.000", "2.000", "2.000", "2.00")
+    assert "| 4 | 0 | 4.0 | 1.00 | 32.0 | 0 |" in format_report(MixResult(answers, wall_s=4.0))
+    assert metric_sums('# HELP x y\nx{replica="0"} 1\nx{replica="1"} 2.5\nz 3\n') == {"x": 3.5, "z": 3.0}
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the kernels, interpreted on the CPU")
+def test_no_kernel_variant_is_new_after_the_warm_up():
+    """A scripted mix (requests arriving together, dense and routed in one batch) after `serve`'s warm-up for its
+    methods, routings and lengths: no launch of a variant key the warm-up did not launch."""
+    spec = MixSpec(num_requests=2, rate=1e6, prompt_lengths=(16,), max_tokens=(8,), methods=("flash-cache",),
+                   routings=(None, "chunk"), block_length=8, seed=0)
+    requests = mix_requests(spec, vocab_size=320)
+    assert {r.kv_routing for r in requests} == {None, "chunk"}
+    llm = LLM(device="cpu", dtype="float32", kernels=True, max_batch_size=8)
+    warm_up(llm, spec)
+    result = run_offline(llm, spec, requests)
+    assert all(a.ok and 0 < a.ttft_s <= a.e2e_s for a in result.answers), result.answers
+    assert result.compiles == (0, 0.0), result.events
+    assert result.captures == (0, 0.0)  # no CUDA graphs on the CPU

@@ -1,0 +1,66 @@
+"""Compiles (under the interpreter: first launches of a variant key), captures and steps, counted after ready."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from flash_dllm.engine.counters import (COUNTERS, Counters, ReadyMark, StepLog, install_compile_hooks, percentile,
+                                        step_ratios)
+
+interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="counts interpreted launches")
+
+
+def test_percentiles_are_nearest_rank():
+    values = [float(v) for v in range(1, 101)]
+    assert [percentile(values, q) for q in (0.5, 0.9, 0.99, 1.0)] == [50.0, 90.0, 99.0, 100.0]
+    assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0 and percentile([7.0], 0.99) == 7.0 and percentile([], 0.5) == 0.0
+
+
+def test_ready_mark_counts_what_follows_it():
+    counters = Counters()
+    counters.record("compiles", 1.0, "before")
+    mark = ReadyMark(counters)
+    assert mark.after()["compiles"].count == 0
+    mark.mark()
+    counters.record("compiles", 0.25, "a")
+    counters.record("captures", 0.5, "b")
+    after = mark.after()
+    assert (after["compiles"].count, after["compiles"].seconds) == (1, 0.25)
+    assert (after["captures"].count, after["captures"].seconds) == (1, 0.5)
+    assert [e.name for e in mark.events_after()] == ["a", "b"]
+
+
+def test_longest_step_is_measured_against_its_batch_size():
+    log = StepLog(window_s=60)
+    for seconds, batch in [(0.010, 8), (0.012, 8), (0.011, 8), (0.050, 32), (0.040, 32), (0.045, 32)]:
+        log.record(seconds, batch, now=100.0)
+    assert log.longest(now=100.0) == (0.050, pytest.approx(0.050 / 0.045))
+    log.record(0.033, 8, now=100.0)  # 3x the median of batch 8, though shorter than batch 32's steps
+    assert log.longest(now=100.0)[1] == pytest.approx(0.050 / 0.045)
+    assert step_ratios([(s, b) for _, s, b in log.steps])[8] == (4, 0.0115, pytest.approx(0.033 / 0.0115))
+    assert log.longest(now=200.0) == (0.0, 0.0)  # a minute later: none
+
+
+@interpreted
+def test_interpreted_launches_count_each_variant_key_once():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def scale(x_ptr, n, BLOCK: tl.constexpr):
+        o = tl.arange(0, BLOCK)
+        tl.store(x_ptr + o, tl.load(x_ptr + o, mask=o < n) * 2, mask=o < n)
+
+    assert install_compile_hooks() == "interpreter"
+    x = torch.ones(64)
+    before = COUNTERS.snapshot()["compiles"].count
+    count = lambda: COUNTERS.snapshot()["compiles"].count - before
+    scale[(1,)](x, 5, BLOCK=64)
+    scale[(1,)](x, 7, BLOCK=64)  # the same key: n is neither 1 nor a multiple of 16 either time
+    assert count() == 1
+    scale[(1,)](x, 32, BLOCK=64)  # n % 16 == 0: a variant of its own, as Triton specialises it
+    scale[(1,)](x, 32, BLOCK=32)  # a constexpr
+    scale[(1,)](x, 33, BLOCK=32, num_warps=2)  # a launch option
+    assert count() == 4
