@@ -80,23 +80,28 @@ class Workers:
     workers. `send` has them run an operation (the driver then runs its own), `everywhere` runs a function on every
     rank and returns the driver's result, `ask` returns the workers' results."""
 
-    def __init__(self, tp: TensorParallel, device: torch.device, control, processes: list):
+    def __init__(self, tp: TensorParallel, device: torch.device, control, processes: list, threads: int):
         self.tp, self.device, self.control, self.processes = tp, device, control, processes
         self.is_running = True
         self.in_operation = False  # the driver runs its part of a sent operation: what it calls is mirrored already
+        self.threads = threads  # the process's torch threads before share_cores, restored at shutdown
         atexit.register(self.shutdown)
 
     @classmethod
     def start(cls, spec: RankSpec, size: int) -> Workers:
         """Join (torchrun) or spawn the worker ranks and the process groups. Under torchrun a worker rank serves the
         driver here and then ends its process."""
+        threads = torch.get_num_threads()
         if under_torchrun():
             tp, device, control = join_torchrun(spec, size)
             if tp.rank != 0:
                 serve(spec, tp, device, control)
                 sys.exit(0)
-            return cls(tp, device, control, [])
+            return cls(tp, device, control, [], threads)
         check_gpus(spec.device, size)
+        if dist.is_initialized():
+            raise ValueError("one tensor-parallel LLM per process at a time (its process group is the default one): "
+                             "shutdown() the other first")
         with socket.socket() as sock:  # a free port for the group's rendezvous
             sock.bind(("127.0.0.1", 0))
             address = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
@@ -106,7 +111,7 @@ class Workers:
         for process in processes:
             process.start()
         tp, device, control = join_group(spec, 0, size, address)
-        return cls(tp, device, control, processes)
+        return cls(tp, device, control, processes, threads)
 
     def ready(self, special):
         """After the driver built its shard: every rank's status (raising a worker's error here), and the driver's
@@ -177,6 +182,7 @@ class Workers:
                     process.terminate()
             if dist.is_initialized():
                 dist.destroy_process_group()
+            torch.set_num_threads(self.threads)
 
 
 def join_group(spec: RankSpec, rank: int, size: int, address: str):
@@ -184,6 +190,8 @@ def join_group(spec: RankSpec, rank: int, size: int, address: str):
     device = spec.device_of(rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL's collectives use the current device
+    else:
+        share_cores(size)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=address, rank=rank, world_size=size)
     return _tensor_parallel(spec, rank, size), device, dist.new_group(backend="gloo", timeout=WAIT)
@@ -198,9 +206,18 @@ def join_torchrun(spec: RankSpec, size: int):
     device = torch.device("cuda", local_rank) if spec.device.type == "cuda" else spec.device
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    else:
+        share_cores(size)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return _tensor_parallel(spec, rank, size), device, dist.new_group(backend="gloo", timeout=WAIT)
+
+
+def share_cores(size: int):
+    """On the CPU the ranks share the machine's cores: each takes its share of torch's threads (the driver too).
+    Oversubscribed, a rank's idle threads spin while it waits in a collective and starve the rank it waits for
+    (2 ranks of 2 threads on 2 cores: steps 20x slower)."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
 
 
 def _tensor_parallel(spec: RankSpec, rank: int, size: int) -> TensorParallel:
@@ -219,8 +236,6 @@ def worker_main(spec: RankSpec, rank: int, size: int, address: str, parent: int)
     """A spawned worker's process: join the group, build the shard, serve the driver."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the driver, which stops the workers
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
-    if spec.device.type != "cuda":  # the ranks share the CPU's cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     tp, device, control = join_group(spec, rank, size, address)
     serve(spec, tp, device, control)
     dist.destroy_process_group()
