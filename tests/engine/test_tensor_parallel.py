@@ -6,12 +6,16 @@ of the whole model's (FP8 weights too)."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from flash_dllm import LLM, SamplingParams
+from flash_dllm.cli import main
 from flash_dllm.config import PRESETS
 from flash_dllm.decoding.registry import METHODS
 from flash_dllm.engine.tensor_parallel import finished_tokens
@@ -47,10 +51,20 @@ def paths(tmp_path_factory) -> dict[str, Path]:
             for seed, (name, config) in enumerate(CONFIGS.items())}
 
 
-@pytest.fixture(scope="module", params=["llada", "dream", "llada-invariant", "dream-fp8"])
+def forward_logits(llm, ids: torch.Tensor) -> torch.Tensor:
+    """A rank's full forward (run on every rank: its collectives)."""
+    return llm.model(ids)
+
+
+def methods_of(llm: LLM) -> list[str]:
+    return [name for name, method in METHODS.items() if method.handles_logit_shift or not llm.model.logit_shift]
+
+
+@pytest.fixture(scope="class", params=["llada", "dream", "llada-invariant", "dream-fp8"])
 def pair(request, paths):
     """(one process, two ranks) on an architecture's checkpoint (-invariant: with batch_invariant; -fp8: with FP8
-    weights). One tensor-parallel LLM per process at a time: each is shut down before the next."""
+    weights), for TestTwoRanks. One tensor-parallel LLM per process at a time: each is shut down before the next,
+    the last at the class's end."""
     name, _, option = request.param.partition("-")
     options = dict(OPTIONS, batch_invariant=option == "invariant", quantization="fp8" if option == "fp8" else None)
     one, two = LLM(str(paths[name]), **options), LLM(str(paths[name]), **options, tensor_parallel_size=2)
@@ -58,58 +72,56 @@ def pair(request, paths):
     two.shutdown()
 
 
-def forward_logits(llm, ids: torch.Tensor) -> torch.Tensor:
-    """A rank's full forward (run on every rank: its collectives)."""
-    return llm.model(ids)
+class TestTwoRanks:
+    """Two ranks against one process."""
+
+    def test_logits_match_one_process(self, pair):
+        one, two = pair
+        ids = torch.randint(5, 320, (2, 24), generator=torch.Generator().manual_seed(0))
+        expected, logits = one.model(ids), two.workers.everywhere(forward_logits, two, ids)
+        assert logits.shape == expected.shape
+        if one.quantization is None:  # relative to the logits' largest (|logits| up to ~10 here)
+            assert (logits - expected).abs().max().item() < 1e-5 * expected.abs().max().item()
+            return
+        # FP8: a row-parallel input is quantised per row of each rank's part (as the kernels do), not of its whole row:
+        # other roundings (here 11% apart), as far from the model's fp32 logits as one process's (24% on these weights)
+        full = load_model(one.path)(ids)
+        error = lambda logits: ((logits - full).norm() / full.norm()).item()
+        assert error(logits) < 1.1 * error(expected)
 
 
-def test_logits_match_one_process(pair):
-    one, two = pair
-    ids = torch.randint(5, 320, (2, 24), generator=torch.Generator().manual_seed(0))
-    expected, logits = one.model(ids), two.workers.everywhere(forward_logits, two, ids)
-    assert logits.shape == expected.shape
-    if one.quantization is None:  # relative to the logits' largest (|logits| up to ~10 here)
-        assert (logits - expected).abs().max().item() < 1e-5 * expected.abs().max().item()
-        return
-    # FP8: a row-parallel input is quantised per row of each rank's part (as the kernels do), not of its whole row:
-    # other roundings (here 11% apart), as far from the model's fp32 logits as one process's (24% on these weights)
-    full = load_model(one.path)(ids)
-    error = lambda logits: ((logits - full).norm() / full.norm()).item()
-    assert error(logits) < 1.1 * error(expected)
+    def test_every_method_decodes_the_same_tokens_batched_and_alone(self, pair):
+        """And every rank decodes the driver's tokens; in the batch-invariant mode, a request's tokens alone are its
+        tokens in the batch (its all-reduces are an all-gather and a sum in rank order)."""
+        one, two = pair
+        exact = one.quantization is None  # FP8: other roundings than one process's (test_logits_match_one_process)
+        for method in methods_of(one) if exact else ["parallel", "flash-cache", "elastic"]:
+            params = SamplingParams(method=method, max_tokens=12, block_length=6, **KNOBS.get(method, {}))
+            batched = two.generate(PROMPTS, params)
+            tokens = [out.token_ids for out in batched]
+            assert any(tokens)
+            worker_tokens, = two.workers.ask(finished_tokens, [out.request_id for out in batched])
+            assert worker_tokens == tokens, method
+            if not exact:
+                continue
+            assert tokens == [out.token_ids for out in one.generate(PROMPTS, params)], method
+            alone = [two.generate([prompt], params)[0].token_ids for prompt in PROMPTS]
+            assert alone == [one.generate([prompt], params)[0].token_ids for prompt in PROMPTS], method
+            if one.runner.batch_invariant:
+                assert alone == tokens, method
 
 
-def methods_of(llm: LLM) -> list[str]:
-    return [name for name, method in METHODS.items() if method.handles_logit_shift or not llm.model.logit_shift]
+    def test_one_tensor_parallel_llm_at_a_time(self, pair, paths):
+        with pytest.raises(ValueError, match="one tensor-parallel LLM per process at a time"):
+            LLM(str(paths["dream"]), **OPTIONS, tensor_parallel_size=2)
 
-
-def test_every_method_decodes_the_same_tokens_batched_and_alone(pair):
-    """And every rank decodes the driver's tokens; in the batch-invariant mode, a request's tokens alone are its
-    tokens in the batch (its all-reduces are an all-gather and a sum in rank order)."""
-    one, two = pair
-    exact = one.quantization is None  # FP8: other roundings than one process's (test_logits_match_one_process)
-    for method in methods_of(one) if exact else ["parallel", "flash-cache", "elastic"]:
-        params = SamplingParams(method=method, max_tokens=12, block_length=6, **KNOBS.get(method, {}))
-        batched = two.generate(PROMPTS, params)
-        tokens = [out.token_ids for out in batched]
-        assert any(tokens)
-        worker_tokens, = two.workers.ask(finished_tokens, [out.request_id for out in batched])
-        assert worker_tokens == tokens, method
-        if not exact:
-            continue
-        assert tokens == [out.token_ids for out in one.generate(PROMPTS, params)], method
-        alone = [two.generate([prompt], params)[0].token_ids for prompt in PROMPTS]
-        assert alone == [one.generate([prompt], params)[0].token_ids for prompt in PROMPTS], method
-        if one.runner.batch_invariant:
-            assert alone == tokens, method
-
-
-def test_sampled_tokens_match_too(pair):
-    one, two = pair
-    if one.quantization:
-        pytest.skip("FP8: other roundings than one process's")
-    params = SamplingParams(method="flash-cache", max_tokens=12, block_length=6, temperature=0.8, seed=3)
-    assert [out.token_ids for out in two.generate(PROMPTS, params)] == \
-        [out.token_ids for out in one.generate(PROMPTS, params)]
+    def test_sampled_tokens_match_too(self, pair):
+        one, two = pair
+        if one.quantization:
+            pytest.skip("FP8: other roundings than one process's")
+        params = SamplingParams(method="flash-cache", max_tokens=12, block_length=6, temperature=0.8, seed=3)
+        assert [out.token_ids for out in two.generate(PROMPTS, params)] == \
+            [out.token_ids for out in one.generate(PROMPTS, params)]
 
 
 # ----------------------------------------------------------------------------- a rank's shard of the checkpoint
@@ -167,11 +179,6 @@ def test_random_shards_are_slices_of_the_random_model():
             assert torch.equal(region, whole[tensor] if part is None else part.of(whole[tensor])), tensor
 
 
-def test_one_tensor_parallel_llm_at_a_time(pair, paths):
-    with pytest.raises(ValueError, match="one tensor-parallel LLM per process at a time"):
-        LLM(str(paths["dream"]), **OPTIONS, tensor_parallel_size=2)
-
-
 def test_sizes_that_do_not_split_the_model_are_refused(paths):
     with pytest.raises(ValueError, match=r"tensor_parallel_size=3 does not split this model .*valid sizes: 1, 2, 4"):
         check_size(load_model(paths["dream"]).config, 3)
@@ -179,3 +186,37 @@ def test_sizes_that_do_not_split_the_model_are_refused(paths):
         LLM(str(paths["dream"]), device="cpu", tensor_parallel_size=3)
     with pytest.raises(ValueError, match="tensor_parallel_size must be an integer of at least 1, got 0"):
         LLM(str(paths["dream"]), device="cpu", tensor_parallel_size=0)
+
+
+# ----------------------------------------------------------------------------- the command line, torchrun
+
+def generate_command(path: Path, prompts: Path, *extra: str) -> list[str]:
+    return ["-m", "flash_dllm.cli", "generate", "--model", str(path), "--device", "cpu", "--method", "flash-cache",
+            "--max-tokens", "12", "--block-length", "6", "--kv-cache-bytes", str(1 << 20), "--json",
+            "--file", str(prompts), *extra]
+
+
+def test_generate_under_torchrun_matches_one_process(paths, tmp_path):
+    """`torchrun --nproc-per-node 2 ... --tensor-parallel-size 2`: rank 0 prints the outputs, rank 1 serves it."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_token_ids": ids}) + "\n" for ids in PROMPTS))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    run = lambda *command: subprocess.run([sys.executable, *command], env=env, capture_output=True, text=True,
+                                          timeout=120)
+    one = run(*generate_command(paths["llada"], prompts))
+    two = run("-m", "torch.distributed.run", "--nproc-per-node", "2",
+              *generate_command(paths["llada"], prompts, "--tensor-parallel-size", "2"))
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-2000:]
+    tokens = lambda out: [json.loads(line)["token_ids"] for line in out.stdout.splitlines() if line.startswith("{")]
+    assert len(tokens(one)) == len(PROMPTS) and tokens(two) == tokens(one)  # printed once, by rank 0
+
+
+def test_bench_step_prints_the_size_and_the_collectives(capsys):
+    main(["bench", "step", "--model", "random:dream-tiny", "--device", "cpu", "--methods", "flash-cache",
+          "--batch-sizes", "2", "--prompt-length", "16", "--max-tokens", "8", "--warmup", "2", "--iters", "4",
+          "--tensor-parallel-size", "2"])
+    out = capsys.readouterr().out
+    assert "tensor-parallel size 2" in out.splitlines()[0]
+    header, row = ([cell.strip() for cell in line.strip("|").split("|")] for line in out.splitlines()[2:5:2])
+    assert header[5:8] == ["ms/iter", "TP", "collectives ms/iter"] and row[6] == "2"
+    assert 0 < float(row[7]) <= float(row[5])

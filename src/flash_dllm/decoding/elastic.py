@@ -192,7 +192,8 @@ def head_cosines(before: torch.Tensor, after: torch.Tensor, ordered: bool = Fals
     return F.cosine_similarity(before, after, dim=-1)
 
 
-def mean_cosine(cosine: torch.Tensor, valid: torch.Tensor, ordered: bool = False, kernels: bool = False) -> torch.Tensor:
+def mean_cosine(cosine: torch.Tensor, valid: torch.Tensor, ordered: bool = False,
+                kernels: bool = False) -> torch.Tensor:
     """head_cosines [B, H, T] (every head's), valid [B, T] -> drift_similarity's [B]."""
     if ordered and kernels:
         cosine = invariant_sum(cosine.transpose(1, 2)) / cosine.shape[1]                     # [B, T]

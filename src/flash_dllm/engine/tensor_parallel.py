@@ -96,6 +96,7 @@ class Workers:
             tp, device, control = join_torchrun(spec, size)
             if tp.rank != 0:
                 serve(spec, tp, device, control)
+                dist.destroy_process_group()
                 sys.exit(0)
             return cls(tp, device, control, [], threads)
         check_gpus(spec.device, size)
@@ -175,6 +176,7 @@ class Workers:
         try:
             if notify:
                 dist.broadcast_object_list([None], src=0, group=self.control)
+                dist.barrier(group=self.control)  # no rank tears its connections down while another reads (gloo aborts)
         finally:
             for process in self.processes:
                 process.join(timeout=30)
@@ -288,6 +290,7 @@ def serve(spec: RankSpec, tp: TensorParallel, device: torch.device, control):
         message = [None]
         dist.broadcast_object_list(message, src=0, group=control)
         if message[0] is None:
+            dist.barrier(group=control)
             return
         fn, args, reply = message[0]
         try:
