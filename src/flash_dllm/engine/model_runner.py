@@ -88,8 +88,8 @@ class ModelRunner:
     on the CPU); False uses their PyTorch references (same tokens). cuda_graphs: replay the cached passes
     whose shapes repeat from CUDA graphs (default: with the kernels on CUDA). kv_cache_bytes: the cache's
     budget, at least one token's row and at most the device's free memory (default: 40% of free GPU memory, or on
-    the CPU 40% of MemAvailable up to 1 GiB); allocated at the first request that needs it, when the kernels are
-    also compiled. batch_invariant: every request's tokens the same alone or in any batch: every sum in one order
+    the CPU 40% of MemAvailable up to 1 GiB; under tensor parallelism per rank, the least rank's default); allocated
+    at the first request that needs it, when the kernels are also compiled. batch_invariant: every request's tokens the same alone or in any batch: every sum in one order
     (kernels/attention.py's ordered sums on the PyTorch path, which relies on the CPU's GEMMs giving a row the
     same result for any row count; on the kernel path, the GPU's, the batch-invariant GEMM and one tiling of
     every kernel)."""
