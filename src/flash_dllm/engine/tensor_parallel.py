@@ -84,6 +84,7 @@ class Workers:
         self.tp, self.device, self.control, self.processes = tp, device, control, processes
         self.is_running = True
         self.in_operation = False  # the driver runs its part of a sent operation: what it calls is mirrored already
+        self.broken: str | None = None  # an operation that failed here other than as the workers' copies do
         self.threads = threads  # the process's torch threads before share_cores, restored at shutdown
         atexit.register(self.shutdown)
 
@@ -142,6 +143,11 @@ class Workers:
         self.in_operation = True
         try:
             yield
+        except ValueError:  # a request refused: the workers refused it too, at the same point
+            raise
+        except BaseException as error:  # an interrupt or a device error: a worker may wait in a collective
+            self.broken = f"{fn.__name__} failed on rank 0 ({type(error).__name__})"
+            raise
         finally:
             self.in_operation = False
 
@@ -165,24 +171,27 @@ class Workers:
     def _broadcast(self, message):
         if not self.is_running:
             raise RuntimeError("the tensor-parallel workers have stopped")
+        if self.broken:
+            raise RuntimeError(f"the tensor-parallel ranks are out of step: {self.broken}; start a new LLM")
         dist.broadcast_object_list([message], src=0, group=self.control)
 
     def shutdown(self, notify: bool = True):
-        """Stop the workers (they leave their loop), wait for the spawned ones and leave the process groups."""
+        """Stop the workers (they leave their loop), wait for the spawned ones and leave the process groups. Ranks out
+        of step (`broken`) are not told: the spawned ones are terminated (torchrun ends its ranks when rank 0 fails)."""
         if not self.is_running:
             return
         self.is_running = False
         atexit.unregister(self.shutdown)
         try:
-            if notify:
+            if notify and not self.broken:
                 dist.broadcast_object_list([None], src=0, group=self.control)
                 dist.barrier(group=self.control)  # no rank tears its connections down while another reads (gloo aborts)
         finally:
             for process in self.processes:
-                process.join(timeout=30)
+                process.join(timeout=0 if self.broken else 30)
                 if process.is_alive():
                     process.terminate()
-            if dist.is_initialized():
+            if dist.is_initialized() and not self.broken:  # a group mid-collective would wait for its peer
                 dist.destroy_process_group()
             torch.set_num_threads(self.threads)
 
@@ -357,6 +366,8 @@ class MirroredEngine(LLMEngine):
             return super().add_request(prompt_ids, params)
 
     def abort(self, seqs):
+        if self.workers.broken:  # the cleanup after the failure: the driver's own bookkeeping only
+            return super().abort(seqs)
         with self.workers.operation(abort, [seq.request_id for seq in seqs]):
             super().abort(seqs)
 
