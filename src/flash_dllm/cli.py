@@ -78,6 +78,9 @@ def add_model_choice(parser: argparse.ArgumentParser, default_model: str | None 
     parser.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default=None,
                         help="fp8: the KV cache's K and V in E4M3 with a scale per token and KV head, about half the "
                              "bytes (default: the dtype)")
+    parser.add_argument("--tensor-parallel-size", type=at_least(1), default=1,
+                        help="split the model over this many GPUs (on the CPU, processes); this process starts the "
+                             "others, or under torchrun its ranks are the group")
 
 
 def add_model_args(parser: argparse.ArgumentParser, default_model: str | None = None):
@@ -103,7 +106,7 @@ def llm_from_args(args, default_device: str | None = None, **options):
     return LLM(args.model, device=args.device or default_device, dtype=args.dtype, kernels=on_off(args.kernels),
                cuda_graphs=on_off(args.cuda_graphs), kv_cache_bytes=args.kv_cache_bytes,
                batch_invariant=args.batch_invariant, quantization=args.quantization,
-               kv_cache_dtype=args.kv_cache_dtype, **options)
+               kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size, **options)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser):
@@ -294,6 +297,15 @@ def cmd_info(args):
     kv_name = f"{args.kv_cache_dtype} with a scale per KV head" if args.kv_cache_dtype else name
     print(f"KV cache per token: {per_token:,} bytes ({kv_name}, all layers; {per_token * 1000 / 2**20:.1f} MiB per "
           f"1k tokens)")
+    if args.tensor_parallel_size > 1:
+        from .models.parallel import TensorParallel
+
+        shard = build_model(cfg, "meta", dtype, quantization=args.quantization,
+                            tp=TensorParallel(0, args.tensor_parallel_size))
+        shard_bytes = sum(t.numel() * t.element_size() for t in (*shard.parameters(), *shard.buffers()))
+        print(f"per rank of {args.tensor_parallel_size}: {shard_bytes / 1e9:.2f} GB of weights, KV cache "
+              f"{KVCache.bytes_per_row(shard.shard_config, dtype, kv_dtype=kv_dtype_of(args.kv_cache_dtype)):,} "
+              f"bytes per token")
 
 
 def bench_cases(args):
@@ -322,11 +334,14 @@ def cmd_bench(args):
     from .bench.step import bench_step, format_table as format_step_table
 
     cases = list(bench_cases(args)) if args.bench in ("step", "generate") else []  # checked before the model loads
+    if args.bench in ("forward", "kernels") and args.tensor_parallel_size > 1:
+        raise ValueError(f"bench {args.bench} times one process's model: --tensor-parallel-size must be 1")
     llm = llm_from_args(args, max_batch_size=max(getattr(args, "batch_sizes", [32])))
     device_name = torch.cuda.get_device_name(llm.device) if llm.device.type == "cuda" else "cpu"
     quantization = ((f", projections in {args.quantization}" if args.quantization else "")
                     + (f", KV cache in {args.kv_cache_dtype}" if args.kv_cache_dtype else ""))
-    print(f"# bench {args.bench}: {args.model} on {device_name}, {llm.dtype}{quantization}")
+    tensor_parallel = f", tensor-parallel size {llm.tp.size}" if llm.tp.size > 1 else ""
+    print(f"# bench {args.bench}: {args.model} on {device_name}, {llm.dtype}{quantization}{tensor_parallel}")
     if args.bench == "kernels":
         if llm.device.type != "cuda" and not llm.runner.kernels:
             raise ValueError("bench kernels runs the Triton kernels: it needs a CUDA device (or TRITON_INTERPRET=1)")
@@ -372,7 +387,9 @@ def cmd_bench(args):
           f"timed iterations; {switches}")
     results = []
     for params, batch in cases:
-        results.append(r := bench_step(llm, params, batch, args.prompt_length, args.warmup, args.iters))
+        results.append(r := llm.workers.everywhere(bench_step, llm, params, batch, args.prompt_length, args.warmup,
+                                                   args.iters) if llm.workers else
+                       bench_step(llm, params, batch, args.prompt_length, args.warmup, args.iters))
         print(f"{params.method} {r.routing} batch {batch}: {r.ms_per_iter:.2f} ms/iter, {r.query_rows:.0f} query "
               f"rows, {r.ratio:.2f}x floor", file=sys.stderr, flush=True)  # progress, in case a long run is cut short
     if not all(r.forced for r in results):
@@ -466,7 +483,7 @@ def cmd_eval(args):
         args.max_tokens = get_benchmark(args.task).max_tokens
     params = sampling_params_from_args(args)
     check_prompt_length(args)
-    ctx = init_from_env()
+    ctx = init_from_env(args.tensor_parallel_size)
     try:
         llm = load_eval_llm(args, ctx)
         result = evaluate(llm, args.task, params, data=args.data, limit=args.limit, ctx=ctx,
@@ -490,7 +507,7 @@ def cmd_sweep(args):
     points = grid(args.methods, values, max_tokens=max_tokens, block_length=args.block_length,
                   temperature=args.temperature, seed=args.seed)
     check_prompt_length(args)
-    ctx = init_from_env()
+    ctx = init_from_env(args.tensor_parallel_size)
     try:
         llm = load_eval_llm(args, ctx)
         rows = run_sweep(llm, args.task, points, args.out_dir, data=args.data, limit=args.limit, ctx=ctx,

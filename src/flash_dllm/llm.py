@@ -15,7 +15,10 @@ import torch
 from .engine.llm_engine import LLMEngine
 from .engine.model_runner import ModelRunner
 from .engine.sequence import Sequence
-from .models import load_model, random_model, resolve_checkpoint
+from .engine.tensor_parallel import MirroredEngine, MirroredRunner, RankSpec, Workers
+from .models import DiffusionLM, config_from_dir, load_model, random_model, resolve_checkpoint
+from .models.loader import random_config
+from .models.parallel import TensorParallel, check_size
 from .models.quantization import check_options
 from .sampling_params import SamplingParams
 from .tokenizer import load_tokenizer, special_tokens
@@ -86,6 +89,20 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return names[dtype]
 
 
+def build_rank(spec: RankSpec, device: torch.device, tp: TensorParallel | None = None,
+               workers: Workers | None = None) -> tuple[DiffusionLM, ModelRunner]:
+    """The model (this rank's shard under tensor parallelism `tp`) on `device`, and its runner (the driver's mirrors
+    its cache's allocation to the `workers`)."""
+    if spec.model.startswith(RANDOM_PREFIX):
+        model = random_model(spec.model[len(RANDOM_PREFIX):], device, spec.dtype, seed=spec.seed,
+                             quantization=spec.quantization, tp=tp)
+    else:
+        model = load_model(spec.model, device, spec.dtype, spec.quantization, tp=tp)
+    options = dict(kernels=spec.kernels, cuda_graphs=spec.cuda_graphs, kv_cache_bytes=spec.kv_cache_bytes,
+                   batch_invariant=spec.batch_invariant, kv_cache_dtype=spec.kv_cache_dtype)
+    return model, ModelRunner(model, **options) if workers is None else MirroredRunner(model, workers, **options)
+
+
 class LLM:
     """A diffusion language model ready to generate.
 
@@ -108,35 +125,60 @@ class LLM:
         produce them); embeddings, norms and the LM head stay in `dtype`. None (default): `dtype` throughout.
     kv_cache_dtype: "fp8": the cached methods' K and V stored in E4M3 with one scale per token and KV head (about
         half the bytes: twice the tokens in the same kv_cache_bytes); None (default): in `dtype`.
+    tensor_parallel_size: the model split over this many GPUs (NCCL; on the CPU, processes over gloo), Megatron-style
+        (models/parallel.py): this process is rank 0 and starts the others itself (one per GPU from `device` on; a
+        script must then guard its top level with `if __name__ == "__main__":`), or under `torchrun` the other
+        ranks' LLM(...) serve rank 0 and end their process. Outputs come back on rank 0 only; kv_cache_bytes is per
+        rank. `shutdown()` stops the other ranks (else at exit).
     """
 
     def __init__(self, model: str | Path | None = None, device: str | None = None,
                  dtype: str | torch.dtype | None = None, max_batch_size: int = 32,
                  chat_template: bool | None = None, seed: int = 0, kv_cache_bytes: int | None = None,
                  kernels: bool | None = None, cuda_graphs: bool | None = None, batch_invariant: bool = False,
-                 quantization: str | None = None, kv_cache_dtype: str | None = None):
+                 quantization: str | None = None, kv_cache_dtype: str | None = None, tensor_parallel_size: int = 1):
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         check_options(quantization, kv_cache_dtype, batch_invariant)  # before the model loads
         self.quantization = quantization
         spec = str(model) if model is not None else str(default_model_path())
-        if spec.startswith(RANDOM_PREFIX):
-            self.path = None
-            self.model = random_model(spec[len(RANDOM_PREFIX):], self.device, self.dtype, seed=seed,
-                                      quantization=quantization)
+        self.path = None if spec.startswith(RANDOM_PREFIX) else resolve_checkpoint(spec)
+        rank_spec = RankSpec(spec if self.path is None else str(self.path), self.device, self.dtype, seed, quantization,
+                             kv_cache_bytes, kernels, cuda_graphs, batch_invariant, kv_cache_dtype, max_batch_size)
+        self.workers, tp = None, None
+        if tensor_parallel_size != 1:
+            check_size(random_config(spec[len(RANDOM_PREFIX):]) if self.path is None else config_from_dir(self.path),
+                       tensor_parallel_size)  # before any process starts
+            self.workers = Workers.start(rank_spec, tensor_parallel_size)  # torchrun's other ranks end in there
+            tp, self.device = self.workers.tp, self.workers.device
+        try:
+            self.model, self.runner = build_rank(rank_spec, self.device, tp, self.workers)
+            self.config = self.model.config
+            self.tokenizer = load_tokenizer(self.path, self.model.vocab_merges_tokenizer)
+            self.special = special_tokens(self.config, self.path, self.tokenizer)
+            has_template = self.tokenizer is not None and bool(getattr(self.tokenizer, "chat_template", None))
+            self.use_chat_template = has_template if chat_template is None else chat_template
+            if self.use_chat_template and not has_template:
+                raise ValueError("chat_template=True, but the model's tokenizer has no chat template")
+        except BaseException as error:
+            if self.workers is not None:
+                self.workers.fail(error)
+            raise
+        if self.workers is None:
+            self.engine = LLMEngine(self.runner, self.special, max_batch_size)
         else:
-            self.path = resolve_checkpoint(spec)
-            self.model = load_model(self.path, self.device, self.dtype, quantization)
-        self.config = self.model.config
-        self.runner = ModelRunner(self.model, kernels=kernels, cuda_graphs=cuda_graphs, kv_cache_bytes=kv_cache_bytes,
-                                  batch_invariant=batch_invariant, kv_cache_dtype=kv_cache_dtype)
-        self.tokenizer = load_tokenizer(self.path, self.model.vocab_merges_tokenizer)
-        self.special = special_tokens(self.config, self.path, self.tokenizer)
-        has_template = self.tokenizer is not None and bool(getattr(self.tokenizer, "chat_template", None))
-        self.use_chat_template = has_template if chat_template is None else chat_template
-        if self.use_chat_template and not has_template:
-            raise ValueError("chat_template=True, but the model's tokenizer has no chat template")
-        self.engine = LLMEngine(self.runner, self.special, max_batch_size)
+            self.workers.ready(self.special)
+            self.engine = MirroredEngine(self.runner, self.special, max_batch_size, self.workers)
+
+    @property
+    def tp(self) -> TensorParallel:
+        """This rank's place in the tensor-parallel group (size 1 without one)."""
+        return self.model.tp
+
+    def shutdown(self):
+        """Stop the other tensor-parallel ranks (a no-op without them); the LLM cannot generate afterwards."""
+        if self.workers is not None:
+            self.workers.shutdown()
 
     def encode(self, prompt: Prompt, chat_template: bool | None = None) -> list[int]:
         """Token ids of a prompt: ids as given, messages or (with the chat template on) a string through the

@@ -286,7 +286,7 @@ def test_llada_8b_parameters_on_meta():
     # Each checkpoint tensor fills a region of the right shape.
     layout = model.checkpoint_layout()
     assert layout.keys() == shapes.keys()
-    for name, (param, rows) in layout.items():
+    for name, (param, rows, _) in layout.items():
         target = params[param] if rows is None else params[param][rows]
         assert tuple(target.shape) == shapes[name], name
 

@@ -23,6 +23,7 @@ from ..decoding.registry import method_of
 from ..markdown import markdown_table
 from ..llm import Messages
 from ..sampling_params import SamplingParams
+from .step import with_tensor_parallel
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,12 @@ class GenerateResult:
     tokens: int        # generated, up to and excluding each request's first eos/eot
     steps: int         # summed over requests
     nfe: int           # summed over requests
+    tp_size: int = 1   # tensor-parallel ranks
+    collective_s: float = 0.0  # the driver's wall time in the tensor-parallel collectives
+
+    @property
+    def collective_ms(self) -> float:  # per iteration
+        return self.collective_s * 1e3 / self.iterations
 
     @property
     def ms_per_iter(self) -> float:
@@ -75,16 +82,20 @@ def bench_generate(llm, params: SamplingParams, batch: int, prompt_length: int |
     llm.generate(prompts, dataclasses.replace(params, max_tokens=warm_tokens), use_tqdm=False)
     sync = torch.cuda.synchronize if llm.device.type == "cuda" else (lambda: None)
     sync()
+    timer = llm.tp.timer
+    timer.reset(enabled=True)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     sync()
     wall = time.perf_counter() - start
+    collective_s = timer.seconds()
+    timer.reset(enabled=False)
     failed = [out.error for out in outputs if out.error is not None]
     if failed:
         raise RuntimeError(f"bench generate: {params.method} batch {batch}: {failed[0]}")
     return GenerateResult(params.method, batch, params.block_length if method.uses_blocks else None, wall,
                           max(out.steps for out in outputs), sum(len(out.token_ids) for out in outputs),
-                          sum(out.steps for out in outputs), sum(out.nfe for out in outputs))
+                          sum(out.steps for out in outputs), sum(out.nfe for out in outputs), llm.tp.size, collective_s)
 
 
 def format_table(results: list[GenerateResult]) -> str:
@@ -93,4 +104,4 @@ def format_table(results: list[GenerateResult]) -> str:
     rows = [(r.method, r.batch, "-" if r.block is None else r.block, f"{r.wall_s:.2f}", r.iterations,
              f"{r.ms_per_iter:.2f}", r.tokens, f"{r.tokens_per_s:.1f}", f"{r.nfe / r.batch:.1f}",
              f"{r.tokens / max(r.steps, 1):.2f}") for r in results]
-    return markdown_table(header, rows)
+    return markdown_table(*with_tensor_parallel(header, rows, results, "ms/iter"))

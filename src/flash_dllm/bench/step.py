@@ -44,6 +44,8 @@ class StepResult:
     flops_floor_ms: float
     peak_gb: float
     working_gb: float       # peak less the weights and the KV cache (the working memory)
+    tp_size: int = 1        # tensor-parallel ranks (each holds 1/tp_size of the weights and the cache)
+    collective_ms: float = 0.0  # per iteration: the driver's wall time in the tensor-parallel collectives
 
     @property
     def floor_ms(self) -> float:
@@ -68,7 +70,10 @@ def bench_step(llm, params: SamplingParams, batch: int, prompt_length: int, warm
     token per iteration, `iters` a multiple of the block length times a cache refresh at its true rate.
 
     Each call runs a fresh engine whose KV cache holds exactly this batch, so the peak memory is weights +
-    that cache + the step's working memory; the engine is dropped unfinished (finishing is not timed)."""
+    that cache + the step's working memory; the engine is dropped unfinished (finishing is not timed).
+
+    Under tensor parallelism every rank runs this function (Workers.everywhere; the result is the driver's) and the
+    time in collectives is measured over the timed steps (on a GPU with CUDA events, not inside CUDA graphs)."""
     cfg, device = llm.config, llm.device
     if warmup < 1 or iters < 1:  # the first step builds the batch (and makes the one-off full first pass)
         raise ValueError(f"warmup and iters must be at least 1, got {warmup} and {iters}")
@@ -83,7 +88,8 @@ def bench_step(llm, params: SamplingParams, batch: int, prompt_length: int, warm
         gc.collect()  # the previous call's engine (its cache, its graphs) sits in reference cycles until collected
         torch.cuda.reset_peak_memory_stats(device)
     method = method_of(params.method)
-    cache_bytes = batch * length * KVCache.bytes_per_row(cfg, llm.dtype, with_hidden=method.caches_hidden_states,
+    cache_bytes = batch * length * KVCache.bytes_per_row(llm.model.shard_config, llm.dtype,
+                                                         with_hidden=method.caches_hidden_states,
                                                          kv_dtype=llm.runner.kv_dtype)
     runner = ModelRunner(llm.model, kernels=llm.runner.kernels, cuda_graphs=llm.runner.cuda_graphs,
                          kv_cache_bytes=cache_bytes, batch_invariant=llm.runner.batch_invariant,
@@ -96,11 +102,15 @@ def bench_step(llm, params: SamplingParams, batch: int, prompt_length: int, warm
     before = _counters(engine, llm.special.mask_id)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
+    timer = llm.model.tp.timer
+    timer.reset(enabled=True)
     start = time.perf_counter()
     for _ in range(iters):
         engine.step()
     sync()
     ms = (time.perf_counter() - start) * 1e3 / iters
+    collective_ms = timer.seconds() * 1e3 / iters
+    timer.reset(enabled=False)
     after = _counters(engine, llm.special.mask_id)
     tokens, rows, passes = ((a - b) / (iters * batch) for a, b in zip(after[:3], before[:3]))
     keys_read, keys_dense = after[3] - before[3], after[4] - before[4]
@@ -114,7 +124,8 @@ def bench_step(llm, params: SamplingParams, batch: int, prompt_length: int, warm
     memory_s, compute_s, _ = floor_seconds(num_bytes, flops)
     routing = f"{params.kv_routing} {params.kv_budget:g}" if params.kv_routing else "dense"
     return StepResult(params.method, routing, batch, params.block_length if method.uses_blocks else None, ms,
-                      tokens, rows, passes, read, memory_s * 1e3, compute_s * 1e3, peak, peak - resident / 1e9)
+                      tokens, rows, passes, read, memory_s * 1e3, compute_s * 1e3, peak, peak - resident / 1e9,
+                      llm.model.tp.size, collective_ms)
 
 
 def _counters(engine, mask_id: int) -> tuple[int, ...]:
@@ -137,4 +148,14 @@ def format_table(results: list[StepResult]) -> str:
              f"{r.bytes_floor_ms:.3g}", f"{r.flops_floor_ms:.3g}", f"{r.ratio:.2f}",
              *("-" if math.isnan(gb) else f"{gb:.2f}" for gb in (r.peak_gb, r.working_gb)),  # nan: not on a GPU
              *(f"{r.tokens_per_s(k):.0f}" for k in MODELLED_TOKENS_PER_ITER)) for r in results]
-    return markdown_table(header, rows)
+    return markdown_table(*with_tensor_parallel(header, rows, results, "ms/iter"))
+
+
+def with_tensor_parallel(header: tuple, rows: list[tuple], results: list, after: str) -> tuple[tuple, list[tuple]]:
+    """Under tensor parallelism, the columns `TP` (the ranks) and `collectives ms/iter` after the column `after`."""
+    if all(r.tp_size == 1 for r in results):
+        return header, rows
+    at = header.index(after) + 1
+    insert = lambda row, values: (*row[:at], *values, *row[at:])
+    return (insert(header, ("TP", "collectives ms/iter")),
+            [insert(row, (r.tp_size, f"{r.collective_ms:.2f}")) for row, r in zip(rows, results)])

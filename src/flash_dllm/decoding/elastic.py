@@ -176,17 +176,32 @@ def drift_similarity(before: torch.Tensor, after: torch.Tensor, valid: torch.Ten
     key axis, averaged over heads and valid tracked rows (1, no drift, where a row tracks nothing). ordered: its
     sums over keys and tracked rows in one fixed order (batch-invariant decoding); with `kernels`, every sum,
     over heads too, through invariant_sum (padded keys and tracked rows add exact zeros)."""
+    return mean_cosine(head_cosines(before, after, ordered, kernels), valid, ordered, kernels)
+
+
+def head_cosines(before: torch.Tensor, after: torch.Tensor, ordered: bool = False,
+                 kernels: bool = False) -> torch.Tensor:
+    """drift_similarity's cosine over the key axis per head and tracked row: [B, H, T] (a tensor-parallel rank's
+    heads: the ranks' are gathered before `mean_cosine`)."""
     if ordered and kernels:
         dot, before_sq, after_sq = (invariant_sum(x) for x in (before * after, before ** 2, after ** 2))
-        cosine = dot / (before_sq.sqrt() * after_sq.sqrt()).clamp(min=1e-8)                 # [B, H, T]
+        return dot / (before_sq.sqrt() * after_sq.sqrt()).clamp(min=1e-8)
+    if ordered:
+        dot, before_sq, after_sq = (ordered_sum(x, dim=-1) for x in (before * after, before ** 2, after ** 2))
+        return dot / (before_sq.sqrt() * after_sq.sqrt()).clamp(min=1e-8)
+    return F.cosine_similarity(before, after, dim=-1)
+
+
+def mean_cosine(cosine: torch.Tensor, valid: torch.Tensor, ordered: bool = False,
+                kernels: bool = False) -> torch.Tensor:
+    """head_cosines [B, H, T] (every head's), valid [B, T] -> drift_similarity's [B]."""
+    if ordered and kernels:
         cosine = invariant_sum(cosine.transpose(1, 2)) / cosine.shape[1]                     # [B, T]
         total = invariant_sum(torch.where(valid, cosine, 0.0))
     elif ordered:
-        dot, before_sq, after_sq = (ordered_sum(x, dim=-1) for x in (before * after, before ** 2, after ** 2))
-        cosine = (dot / (before_sq.sqrt() * after_sq.sqrt()).clamp(min=1e-8)).mean(dim=1)  # [B, T]
-        total = ordered_sum(torch.where(valid, cosine, 0.0), dim=1)
+        total = ordered_sum(torch.where(valid, cosine.mean(dim=1), 0.0), dim=1)
     else:
-        return mean_over_tracked(F.cosine_similarity(before, after, dim=-1).mean(dim=1), valid)
+        return mean_over_tracked(cosine.mean(dim=1), valid)
     count = valid.sum(dim=1)
     return torch.where(count > 0, total / count.clamp(min=1), 1.0)
 
@@ -264,7 +279,8 @@ def _reuse_layers(model, cache, kernels: bool, metadata: AttentionMetadata, widt
     `metadata`, its tensors are the arguments; with `tracked` [B, W], the drift test over its first `tracked_rows`
     tracked columns per row (flat_of_column [B, W]: the pass's flat row of each column; row_request [N]: each
     query row's batch row)."""
-    cfg, layers, hidden = model.config, model.layers, cache.hidden_states()
+    cfg, layers, hidden, tp = model.config, model.layers, cache.hidden_states(), model.tp
+    heads = model.shard_config.num_heads  # this rank's (tensor parallelism: the ranks' drift cosines are gathered)
     metadata = dataclasses.replace(metadata, cu_seqlens_q=cu_seqlens_q, kv_start=kv_start, kv_len=kv_len,
                                    slot_mapping=slot_mapping, track_rows=track_rows)
     B, drift, device = kv_start.shape[0], tracked is not None, input_ids.device
@@ -286,7 +302,7 @@ def _reuse_layers(model, cache, kernels: bool, metadata: AttentionMetadata, widt
         before_row = torch.full(key_slot.shape, -1, dtype=torch.long, device=device)
         before_row[row_request, positions] = torch.arange(positions.shape[0], device=device)
         t_cos, t_sin = torch.cat((t_cos, t_cos), dim=1), torch.cat((t_sin, t_sin), dim=1)
-        cosines = torch.empty(len(layers), B, cfg.num_heads, tracked_rows, device=device)  # every layer's drift
+        cosines = torch.empty(len(layers), B, heads, tracked_rows, device=device)  # every layer's drift
     for index, layer in enumerate(layers):
         if fused:  # before and after queries in one projection; the keys the layer is about to rewrite
             q_before, q_after = layer.queries(torch.cat((hidden[index][t_slot], x[t_flat]), dim=1),
@@ -295,7 +311,7 @@ def _reuse_layers(model, cache, kernels: bool, metadata: AttentionMetadata, widt
             scales = {} if cache.k_scale is None else dict(k_scale=cache.k_scale[index],
                                                            old_scale=cache.k_scale[index][row_slot])
         elif drift:  # before: the cached inputs' queries against the keys as cached
-            keys = key_layout(layer_keys(cache, index, key_slot), model.config.num_heads, ordered)
+            keys = key_layout(layer_keys(cache, index, key_slot), heads, ordered)
             before = attention_rows(layer.queries(hidden[index][t_slot], t_cos, t_sin, invariant), keys, key_valid,
                                     ordered, kernels)
             q_after = layer.queries(x[t_flat], t_cos, t_sin, invariant)
@@ -307,9 +323,10 @@ def _reuse_layers(model, cache, kernels: bool, metadata: AttentionMetadata, widt
         elif drift:  # after: the same keys but the query rows', which the layer has just rewritten in the cache
             set_keys(keys, row_request, positions, layer_keys(cache, index, row_slot), ordered)
             after = attention_rows(q_after, keys, key_valid, ordered, kernels)
-            similarity[index] = drift_similarity(before, after, t_valid, ordered, kernels)
+            similarity[index] = mean_cosine(tp.all_gather(head_cosines(before, after, ordered, kernels), dim=1),
+                                            t_valid, ordered, kernels)
     if fused:  # averaged for all layers at once: a few launches a pass instead of ~9 a layer
-        similarity = mean_over_tracked(cosines.mean(dim=2), t_valid)
+        similarity = mean_over_tracked(tp.all_gather(cosines, dim=2).mean(dim=2), t_valid)
     return x, key_mass, similarity
 
 

@@ -75,13 +75,21 @@ def request_groups(counts: list[int]) -> list[slice]:
     return [*groups, slice(start, len(counts))]
 
 
+def default_cache_budget(device: torch.device) -> int:
+    """The KV cache's bytes where kv_cache_bytes is not given: 40% of the device's free memory (on the CPU, of
+    MemAvailable, at most 1 GiB: its memory also holds everything else)."""
+    available = available_memory(device)
+    budget = int(0.4 * available) if available is not None else 1 << 30
+    return budget if device.type == "cuda" else min(budget, 1 << 30)
+
+
 class ModelRunner:
     """kernels: the cached passes through the Triton kernels (default: on CUDA; TRITON_INTERPRET=1 runs them
     on the CPU); False uses their PyTorch references (same tokens). cuda_graphs: replay the cached passes
     whose shapes repeat from CUDA graphs (default: with the kernels on CUDA). kv_cache_bytes: the cache's
     budget, at least one token's row and at most the device's free memory (default: 40% of free GPU memory, or on
-    the CPU 40% of MemAvailable up to 1 GiB); allocated at the first request that needs it, when the kernels are
-    also compiled. batch_invariant: every request's tokens the same alone or in any batch: every sum in one order
+    the CPU 40% of MemAvailable up to 1 GiB; under tensor parallelism per rank, the least rank's default); allocated
+    at the first request that needs it, when the kernels are also compiled. batch_invariant: every request's tokens the same alone or in any batch: every sum in one order
     (kernels/attention.py's ordered sums on the PyTorch path, which relies on the CPU's GEMMs giving a row the
     same result for any row count; on the kernel path, the GPU's, the batch-invariant GEMM and one tiling of
     every kernel)."""
@@ -109,10 +117,13 @@ class ModelRunner:
         self.invariant_gemms = batch_invariant and self.kernels  # the GEMMs through kernels/invariant_matmul.py
         if cuda_graphs and not (self.kernels and on_cuda):
             raise ValueError("cuda_graphs=True needs the Triton kernels on a CUDA device")
-        self.cuda_graphs = self.kernels and on_cuda if cuda_graphs is None else cuda_graphs
+        # Off by default under tensor parallelism: capturing NCCL's collectives is untested here (cuda_graphs=True
+        # captures them, every rank at the same sighting).
+        default_graphs = self.kernels and on_cuda and model.tp.size == 1
+        self.cuda_graphs = default_graphs if cuda_graphs is None else cuda_graphs
         check_type("kv_cache_bytes", kv_cache_bytes, "int | None")
         if kv_cache_bytes is not None:
-            per_row = KVCache.bytes_per_row(model.config, self.dtype, kv_dtype=self.kv_dtype)
+            per_row = KVCache.bytes_per_row(model.shard_config, self.dtype, kv_dtype=self.kv_dtype)
             dtype = str(self.kv_dtype or self.dtype).removeprefix("torch.")
             check(kv_cache_bytes >= per_row, f"kv_cache_bytes must hold at least one token's row of the KV cache, "
                                              f"{per_row:,} bytes for this model in {dtype}, got {kv_cache_bytes:,}")
@@ -142,13 +153,10 @@ class ModelRunner:
         if self.cache is not None:
             return self.cache
         budget = self.kv_cache_bytes
-        if budget is None:
-            available = available_memory(self.device)
-            budget = int(0.4 * available) if available is not None else 1 << 30
-            if self.device.type != "cuda":  # the CPU's memory also holds everything else: at most 1 GiB
-                budget = min(budget, 1 << 30)
-        self.cache = KVCache.from_budget(self.model.config, budget, self.dtype, self.device, with_hidden=with_hidden,
-                                         kv_dtype=self.kv_dtype)
+        if budget is None:  # under tensor parallelism, what every rank can hold: their caches have the same rows
+            budget = self.model.tp.min(default_cache_budget(self.device), self.device)
+        self.cache = KVCache.from_budget(self.model.shard_config, budget, self.dtype, self.device,
+                                         with_hidden=with_hidden, kv_dtype=self.kv_dtype)
         if self.kernels and self.device.type == "cuda":
             compile_kernels(self.model, self.cache, ordered=self.batch_invariant)
         if self.cuda_graphs:

@@ -24,9 +24,11 @@ class DistContext:
         return f"cuda:{self.local_rank}" if self.world_size > 1 and torch.cuda.is_available() else None
 
 
-def init_from_env() -> DistContext:
-    """A process group from torchrun's environment (NCCL on GPUs, gloo on the CPU), or a single process."""
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+def init_from_env(tensor_parallel_size: int = 1) -> DistContext:
+    """A process group from torchrun's environment (NCCL on GPUs, gloo on the CPU), or a single process. Under
+    tensor parallelism torchrun's ranks are the LLM's tensor-parallel group (it joins it), not data-parallel ones:
+    one process here."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1 or tensor_parallel_size > 1:
         return DistContext()
     import torch.distributed as dist
 

@@ -33,7 +33,7 @@ DEFAULT_MAX_TOKENS = 256
 class FlashDLLM(LM):
     def __init__(self, pretrained: str | None = None, device: str | None = None, dtype: str | None = None,
                  batch_size: int | str | None = None, max_batch_size: int | None = None,
-                 quantization: str | None = None, **sampling):
+                 quantization: str | None = None, tensor_parallel_size: int = 1, **sampling):
         super().__init__()  # max_batch_size: lm-eval's cap for its automatic batch search, unused here
         fields = {"method", "max_tokens", "block_length", "temperature", "seed", *knobs()}
         unknown = sorted(set(sampling) - fields)
@@ -48,7 +48,7 @@ class FlashDLLM(LM):
             logging.getLogger(__name__).warning("no GPU: flash_dllm runs on the CPU instead of %s", device)
             device = "cpu"
         self.llm = LLM(pretrained, device=device, dtype=dtype, max_batch_size=batch, chat_template=False,
-                       quantization=quantization)
+                       quantization=quantization, tensor_parallel_size=int(tensor_parallel_size))
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """All requests in one batched generate; each output cut at its first stop string."""

@@ -9,7 +9,7 @@ the benchmarks and the loader use only this interface: `embed`, `layers`, `final
 """
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 from torch import nn
@@ -18,6 +18,27 @@ from ..cache.attention_metadata import AttentionMetadata
 from ..cache.kv_cache import KVCache
 from ..config import ModelConfig
 from .layers import DecoderLayer, RMSNorm, Rotary, linear, rotary_cos_sin
+from .parallel import TensorParallel, VocabParallelEmbedding, shard_config
+
+
+class Shard(NamedTuple):
+    """The part of a checkpoint tensor that one tensor-parallel rank loads: [start, stop) along `dim`, of the
+    tensor's `size` entries along it."""
+    dim: int
+    start: int
+    stop: int
+    size: int
+
+    def of(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.narrow(self.dim, self.start, self.stop - self.start)
+
+
+class Placement(NamedTuple):
+    """Where a checkpoint tensor goes: the parameter, its rows that the tensor fills (None: all), and the part of
+    the tensor this rank loads (None: all of it)."""
+    param: str
+    rows: slice | None
+    shard: Shard | None = None
 
 
 def refuse_unsupported(cfg: dict, implemented: dict):
@@ -42,13 +63,16 @@ class DiffusionLM(nn.Module):
     def parse_config(cls, hf_config: dict) -> ModelConfig:
         raise NotImplementedError
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None):
+        """tp: this rank's place in a tensor-parallel group (models/parallel.py; default: one rank). `config` stays
+        the whole model's; `shard_config` has the shapes of this rank's decoder layers and KV cache."""
         super().__init__()
-        self.config = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, layer) for layer in range(cfg.num_layers))
+        self.config, self.tp = cfg, tp or TensorParallel()
+        self.shard_config = shard_config(cfg, self.tp)
+        self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, self.tp)
+        self.layers = nn.ModuleList(DecoderLayer(self.shard_config, layer, self.tp) for layer in range(cfg.num_layers))
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_bias)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size,
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, self.embed.num_embeddings,
                                                                       bias=cfg.linear_bias)
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
@@ -89,9 +113,10 @@ class DiffusionLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         """hidden [..., d] -> logits [..., V]; called only on the rows whose logits are used. invariant: through
-        the batch-invariant GEMM."""
+        the batch-invariant GEMM. Under tensor parallelism each rank computes its vocabulary rows' logits, gathered
+        over the ranks."""
         head = self.embed if self.lm_head is None else self.lm_head
-        return linear(hidden, head.weight, getattr(head, "bias", None), invariant)
+        return self.tp.all_gather(linear(hidden, head.weight, getattr(head, "bias", None), invariant), dim=-1)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -102,21 +127,45 @@ class DiffusionLM(nn.Module):
             logits = torch.cat([logits[:, :self.logit_shift], logits[:, :-self.logit_shift]], dim=1)
         return logits
 
-    def checkpoint_layout(self) -> dict[str, tuple[str, slice | None]]:
-        """Checkpoint tensor name -> (parameter name, rows of that parameter it fills, or None for all)."""
+    def checkpoint_layout(self) -> dict[str, Placement]:
+        """Checkpoint tensor name -> its Placement: the parameter it fills, which rows, and under tensor parallelism
+        which part of the tensor this rank holds."""
         names = self.checkpoint_names
-        layout: dict[str, tuple[str, slice | None]] = {}
+        layout: dict[str, Placement] = {}
         for param_name, _ in self.named_parameters():
             module_name, _, kind = param_name.rpartition(".")
             if module_name.startswith("layers."):
                 _, index, inner = module_name.split(".", 2)
                 prefix, target = names["layer"].format(i=index) + ".", names[inner]
             else:
-                prefix, target = "", names[module_name]
+                prefix, inner, target = "", module_name, names[module_name]
             if isinstance(target, tuple):  # a packed projection (PackedLinear, or Fp8Linear with output_sizes)
                 module = self.get_submodule(module_name)
                 for shard, shard_name in enumerate(target):
-                    layout[f"{prefix}{shard_name}.{kind}"] = (param_name, module.rows(shard))
+                    layout[f"{prefix}{shard_name}.{kind}"] = Placement(param_name, module.rows(shard),
+                                                                       self._shard(inner, kind, shard))
             else:
-                layout[f"{prefix}{target}.{kind}"] = (param_name, None)
+                layout[f"{prefix}{target}.{kind}"] = Placement(param_name, None, self._shard(inner, kind))
         return layout
+
+    def _shard(self, module: str, kind: str, packed: int = 0) -> Shard | None:
+        """This rank's part of a checkpoint tensor of the generic module (`packed`: which of a packed projection's
+        matrices), or None where every rank holds all of it."""
+        tp, cfg = self.tp, self.config
+        if tp.size == 1:
+            return None
+        q_size, kv_size, head_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
+        if module in ("embed", "lm_head"):
+            vocab = tp.part(cfg.vocab_size)
+            return Shard(0, vocab.start, vocab.stop, cfg.vocab_size)
+        if module == "attention.qkv_proj":
+            heads = tp.part(cfg.num_heads) if packed == 0 else tp.kv_heads(cfg.num_kv_heads)
+            return Shard(0, heads.start * head_dim, heads.stop * head_dim, q_size if packed == 0 else kv_size)
+        if module == "mlp.gate_up_proj":
+            features = tp.part(cfg.intermediate_size)
+            return Shard(0, features.start, features.stop, cfg.intermediate_size)
+        if module in ("attention.o_proj", "mlp.down_proj") and kind == "weight":  # row-parallel: input columns
+            size = q_size if module == "attention.o_proj" else cfg.intermediate_size
+            features = tp.part(size)
+            return Shard(1, features.start, features.stop, size)
+        return None  # the norms, and the row-parallel biases (added once, after the sum)

@@ -20,13 +20,14 @@ from ..cache.routing import CHUNK, count_in_full, route, update_kmeans
 from ..kernels.attention import ordered_attention_in_chunks, ragged_attention_ref
 from ..kernels.chunk_summaries import write_chunk_summaries
 from ..kernels.flash_attention import flash_attention
-from ..kernels.fp8 import Fp8Rows, ScaledProduct, add_dequantized, quantize_rows
+from ..kernels.fp8 import Fp8Rows, ScaledProduct, add_dequantized, dequantize_ref, quantize_rows
 from ..kernels.fused_qkv_rope import qkv_rope
 from ..kernels.invariant_matmul import invariant_matmul
 from ..kernels.rope_cache_write import rope_cache_write
 from ..kernels.route_chunks import route_chunks
 from ..kernels.rms_norm import rms_norm, rms_norm_fp8, rms_norm_ref
 from ..kernels.silu_mul import silu_mul, silu_mul_fp8, silu_mul_ref
+from .parallel import TensorParallel
 from .quantization import Fp8Linear, stacked_rows
 
 
@@ -53,13 +54,34 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, inv
     return out if bias is None else out + bias
 
 
-def project(module: nn.Linear | Fp8Linear, x: torch.Tensor, invariant: bool, rows: slice | None = None) -> torch.Tensor:
-    """module(x), or its output rows `rows` only; invariant: through the batch-invariant GEMM (not for FP8 weights,
-    which the runner refuses with batch_invariant)."""
+def project(module: nn.Linear | Fp8Linear, x: torch.Tensor, invariant: bool, rows: slice | None = None,
+            bias: bool = True) -> torch.Tensor:
+    """module(x), or its output rows `rows` only (without its bias if not `bias`); invariant: through the
+    batch-invariant GEMM (not for FP8 weights, which the runner refuses with batch_invariant)."""
     if isinstance(module, Fp8Linear):
-        return module(x, rows)
+        return module(x, rows, bias)
     rows = rows or slice(None)
-    return linear(x, module.weight[rows], None if module.bias is None else module.bias[rows], invariant)
+    return linear(x, module.weight[rows], None if module.bias is None or not bias else module.bias[rows], invariant)
+
+
+def row_parallel(module: nn.Linear | Fp8Linear, x: torch.Tensor, invariant: bool, tp: TensorParallel) -> torch.Tensor:
+    """A row-parallel projection (o_proj, down_proj): each rank's product over its share of the input features x,
+    summed over the ranks (one all-reduce), the bias added once."""
+    if tp.size == 1:
+        return project(module, x, invariant)
+    out = tp.all_reduce(project(module, x, invariant, bias=False))
+    return out if module.bias is None else out + module.bias
+
+
+def row_parallel_product(module: Fp8Linear, x: Fp8Rows, tp: TensorParallel) -> ScaledProduct:
+    """row_parallel on the kernel path with FP8 weights: the ranks' products dequantised and summed in the model's
+    dtype, as a ScaledProduct of unit scales carrying the bias (the kernel that reads it adds it)."""
+    if tp.size == 1:
+        return module.product(x)
+    summed = tp.all_reduce(dequantize_ref(module.product(x, bias=False), module.dtype))
+    rows, columns = summed.shape
+    return ScaledProduct(summed, torch.ones(rows, device=summed.device), torch.ones(columns, device=summed.device),
+                         module.bias)
 
 
 class PackedLinear(nn.Linear):
@@ -105,11 +127,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
-    """Bidirectional attention with grouped K/V heads (GQA) from one packed q|k|v projection."""
+    """Bidirectional attention with grouped K/V heads (GQA) from one packed q|k|v projection. Under tensor
+    parallelism `cfg` is the rank's shard (parallel.shard_config: its heads) and the output projection is summed over
+    the ranks."""
 
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallel):
         super().__init__()
         self.layer = layer  # its K/V buffers in the cache
+        self.tp = tp
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.rope_theta = cfg.rope_theta
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -129,7 +154,7 @@ class Attention(nn.Module):
         v = v.view(B, L, self.num_kv_heads, self.head_dim)
         if invariant:
             out = self._kernel_full_attention(q, k, v, attn_mask)
-            return project(self.o_proj, out.reshape(B, L, -1), invariant)
+            return row_parallel(self.o_proj, out.reshape(B, L, -1), invariant, self.tp)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if self.num_kv_heads != self.num_heads:  # GQA: kv head j serves query heads j*g .. j*g+g-1
             group = self.num_heads // self.num_kv_heads
@@ -139,7 +164,7 @@ class Attention(nn.Module):
             out = ordered_attention_in_chunks(q, k, v, visible)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # bidirectional
-        return self.o_proj(out.transpose(1, 2).reshape(B, L, -1))
+        return row_parallel(self.o_proj, out.transpose(1, 2).reshape(B, L, -1), False, self.tp)
 
     def _kernel_full_attention(self, q, k, v, attn_mask) -> torch.Tensor:
         """q [B, L, H, D], k, v [B, L, Hkv, D] -> [B, L, H, D]: each row over its own row's keys as attn_mask
@@ -168,7 +193,7 @@ class Attention(nn.Module):
         over each request's cache range. `kernels`: the Triton kernels instead of their PyTorch references."""
         if kernels:
             out = self._kernel_attention(x, rope, metadata, cache, key_mass).flatten(1)
-            return project(self.o_proj, out, metadata.ordered)
+            return row_parallel(self.o_proj, out, metadata.ordered, self.tp)
         N = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
         q = apply_rotary(q.view(N, self.num_heads, self.head_dim), rope.cos, rope.sin)
@@ -179,7 +204,7 @@ class Attention(nn.Module):
         own = {} if metadata.write_cache else dict(k_new=k, v_new=v)
         out = ragged_attention_ref(q, cache.k[self.layer], cache.v[self.layer], metadata, key_mass,
                                    **self._routed(q, cache, metadata, False), **own, **cache.scales(self.layer))
-        return self.o_proj(out.reshape(N, -1))
+        return row_parallel(self.o_proj, out.reshape(N, -1), False, self.tp)
 
     def _routed(self, q: torch.Tensor, cache: KVCache, metadata: AttentionMetadata, kernels: bool) -> dict:
         """The attention's routing argument: the cache keys each request's KV head reads this pass, where its
@@ -210,7 +235,8 @@ class Attention(nn.Module):
                            key_mass: torch.Tensor | None) -> ScaledProduct:
         """The kernel path with FP8 weights: x [N, d] normed rows already quantised -> the output projection's
         ScaledProduct (the residual add dequantises it)."""
-        return self.o_proj.product(quantize_rows(self._kernel_attention(x, rope, metadata, cache, key_mass).flatten(1)))
+        out = self._kernel_attention(x, rope, metadata, cache, key_mass).flatten(1)
+        return row_parallel_product(self.o_proj, quantize_rows(out), self.tp)
 
     def _kernel_attention(self, x: torch.Tensor | Fp8Rows, rope, metadata, cache, key_mass) -> torch.Tensor:
         """The QKV projection, RoPE and cache write, then the flash attention. With an FP8 cache (cache.scales) the
@@ -246,30 +272,32 @@ MLP_CHUNK_ROWS = 8192
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)), gate and up packed into one projection."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
         super().__init__()
+        self.tp = tp
         self.gate_up_proj = PackedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=cfg.linear_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.linear_bias)
 
     def forward(self, x: torch.Tensor, kernels: bool = False, invariant: bool = False) -> torch.Tensor:
         """`invariant`: the batch-invariant GEMMs (with the kernels on)."""
         gated = (silu_mul if kernels else silu_mul_ref)(project(self.gate_up_proj, x, invariant))
-        return project(self.down_proj, gated, invariant)
+        return row_parallel(self.down_proj, gated, invariant, self.tp)
 
     def forward_fp8(self, x: Fp8Rows) -> ScaledProduct:
         """The kernel path with FP8 weights: normed rows already quantised -> the down projection's ScaledProduct."""
-        return self.down_proj.product(silu_mul_fp8(self.gate_up_proj.product(x)))
+        return row_parallel_product(self.down_proj, silu_mul_fp8(self.gate_up_proj.product(x)), self.tp)
 
 
 class DecoderLayer(nn.Module):
     """x + attention(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallel):
         super().__init__()
+        self.tp = tp
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_bias)
-        self.attention = Attention(cfg, layer)
+        self.attention = Attention(cfg, layer, tp)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_bias)
-        self.mlp = GatedMLP(cfg)
+        self.mlp = GatedMLP(cfg, tp)
 
     def forward(self, x, cos, sin, attn_mask, ordered: bool = False, kernels: bool = False):
         """ordered: batch-invariant sums; with `kernels` (the only way on the GPU) through the Triton kernels."""
@@ -280,7 +308,16 @@ class DecoderLayer(nn.Module):
     def forward_cached(self, x: torch.Tensor, rope: Rotary, metadata: AttentionMetadata, cache: KVCache,
                        key_mass: torch.Tensor | None, kernels: bool = False) -> torch.Tensor:
         """`kernels`: the norms, attention and MLP activation through the Triton kernels (and with
-        metadata.ordered, the batch-invariant GEMMs)."""
+        metadata.ordered, the batch-invariant GEMMs). Under tensor parallelism a rank's attention gives its own
+        heads' mass: key_mass gets the sum over the ranks' (one all-reduce)."""
+        if key_mass is None or self.tp.size == 1:
+            return self._forward_cached(x, rope, metadata, cache, key_mass, kernels)
+        mass = torch.zeros_like(key_mass)
+        x = self._forward_cached(x, rope, metadata, cache, mass, kernels)
+        key_mass += self.tp.all_reduce(mass)
+        return x
+
+    def _forward_cached(self, x, rope, metadata, cache, key_mass, kernels) -> torch.Tensor:
         if kernels and isinstance(self.mlp.down_proj, Fp8Linear):
             return self._forward_cached_fp8(x, rope, metadata, cache, key_mass)
         invariant = metadata.ordered and kernels

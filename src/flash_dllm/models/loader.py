@@ -15,10 +15,11 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..config import PRESETS, ModelConfig, read_config_json
-from .base import DiffusionLM
+from .base import DiffusionLM, Placement, Shard
 from .dream import DreamModel
 from .layers import RMSNorm
 from .llada import LLaDAModel
+from .parallel import TensorParallel
 from .quantization import Fp8Linear, check_quantization, quantize_linears
 
 # One entry per architecture: config.json's model_type -> its class (which parses that config.json).
@@ -57,12 +58,13 @@ def _without_default_init():
 
 
 def build_model(cfg: ModelConfig, device: str | torch.device, dtype: torch.dtype,
-                name: str = "the model", quantization: str | None = None) -> DiffusionLM:
+                name: str = "the model", quantization: str | None = None,
+                tp: TensorParallel | None = None) -> DiffusionLM:
     """An uninitialised model, allocated once, directly on `device` in `dtype` (its decoder layers' projections in
-    FP8 with quantization="fp8"); refused (ValueError, naming the model as `name`) when its weights need more memory
-    than the device has available."""
+    FP8 with quantization="fp8"; under tensor parallelism `tp`, this rank's shard); refused (ValueError, naming the
+    model as `name`) when its weights need more memory than the device has available."""
     with torch.device("meta"), _without_default_init():
-        model = ARCHITECTURES[cfg.architecture](cfg).to(dtype=dtype)
+        model = ARCHITECTURES[cfg.architecture](cfg, tp).to(dtype=dtype)
         if check_quantization(quantization) == "fp8":
             quantize_linears(model)
     check_fits(model, torch.device(device), name)
@@ -107,17 +109,19 @@ def check_fits(model: DiffusionLM, device: torch.device, name: str):
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-               quantization: str | None = None) -> DiffusionLM:
+               quantization: str | None = None, tp: TensorParallel | None = None) -> DiffusionLM:
     """Load a checkpoint directory (config.json + safetensors) without remote code or downloads.
 
     Tensors are read one at a time from each shard straight to `device` and cast (or with quantization="fp8",
     quantised) into the pre-allocated parameters, so neither host nor device memory ever holds a second copy of
-    the model. Weights that are NaN or inf once cast to `dtype` are refused, naming the tensor.
+    the model. Under tensor parallelism `tp`, a rank reads only its part of each tensor (an FP8 row-parallel weight
+    whole: its scales are its whole rows'). Weights that are NaN or inf once cast to `dtype` are refused, naming the
+    tensor.
     """
     path = Path(path)
     cfg = config_from_dir(path)
     files = weight_files(path)
-    model = build_model(cfg, device, dtype, name=str(path), quantization=quantization)
+    model = build_model(cfg, device, dtype, name=str(path), quantization=quantization, tp=tp)
     load_weights(model, files, device)
     return model
 
@@ -155,23 +159,21 @@ def load_weights(model: DiffusionLM, files: list[Path], device: str | torch.devi
                     raise ValueError(f"{file.name}: unexpected tensor {name!r} for this model's config.json")
                 if name in loaded:
                     raise ValueError(f"{file.name}: tensor {name!r} also appears in {loaded[name].name}")
-                param_name, rows = layout[name]
-                target = params[param_name] if rows is None else params[param_name][rows]
+                placement = layout[name]
+                expected = _checkpoint_shape(params[placement.param], placement)
                 shape = tuple(f.get_slice(name).get_shape())
-                if shape != tuple(target.shape):
+                if shape != expected:
                     raise ValueError(f"{file.name}: tensor {name!r} has shape {list(shape)}, "
-                                     f"but config.json implies {list(target.shape)}")
-                tensor = f.get_tensor(name)
-                if not tensor.is_floating_point():
-                    raise ValueError(f"{file.name}: tensor {name!r} has dtype {tensor.dtype}, expected floating point")
-                module_name, _, kind = param_name.rpartition(".")
-                module = model.get_submodule(module_name)
-                if isinstance(module, Fp8Linear) and kind == "weight":
-                    nonfinite[name] = torch.isfinite(tensor).logical_not().sum()
-                    module.set_weight(tensor, rows)
-                else:
-                    target.copy_(tensor)
-                    nonfinite[name] = torch.isfinite(target).logical_not().sum()  # after the cast: overflow too
+                                     f"but config.json implies {list(expected)}")
+
+                def read(shard: Shard | None, f=f, name=name, file=file) -> torch.Tensor:
+                    tensor = f.get_tensor(name) if shard is None else \
+                        f.get_slice(name)[(slice(None),) * shard.dim + (slice(shard.start, shard.stop),)]
+                    if not tensor.is_floating_point():
+                        raise ValueError(f"{file.name}: tensor {name!r} has dtype {tensor.dtype}, expected floating "
+                                         f"point")
+                    return tensor
+                nonfinite[name] = _place(model, params, placement, read)
                 loaded[name] = file
     missing = [name for name in layout if name not in loaded]
     if missing:
@@ -180,10 +182,35 @@ def load_weights(model: DiffusionLM, files: list[Path], device: str | torch.devi
     counts = torch.stack(list(nonfinite.values())).tolist()
     bad = [(name, count) for name, count in zip(nonfinite, counts) if count]
     if bad:  # NaN or inf weights give garbage or NaN logits at every step: refuse them now, by name
-        (name, count), weights = bad[0], params[layout[name][0]]
+        (name, count), weights = bad[0], params[layout[name].param]
         more = f"; {len(bad) - 1} more tensors too" if len(bad) > 1 else ""
         raise ValueError(f"{loaded[name].name}: tensor {name!r} has NaN or inf values ({count:,} as "
                          f"{str(weights.dtype).removeprefix('torch.')}{more})")
+
+
+def _checkpoint_shape(param: torch.Tensor, placement: Placement) -> tuple[int, ...]:
+    """The whole checkpoint tensor's shape that the model's config implies."""
+    shape = list(param.shape if placement.rows is None else param[placement.rows].shape)
+    if placement.shard is not None:
+        shape[placement.shard.dim] = placement.shard.size
+    return tuple(shape)
+
+
+@torch.no_grad()
+def _place(model: DiffusionLM, params: dict[str, torch.Tensor], placement: Placement, read) -> torch.Tensor:
+    """Fill the placement's parameter rows from read(shard) (the checkpoint tensor's part; read(None): all of it),
+    cast or quantised. Returns its count of NaN or inf values after the cast, on the device."""
+    module_name, _, kind = placement.param.rpartition(".")
+    module, shard = model.get_submodule(module_name), placement.shard
+    if isinstance(module, Fp8Linear) and kind == "weight":
+        row_parallel = shard is not None and shard.dim == 1  # each output channel's scale from its whole row
+        tensor = read(None if row_parallel else shard)
+        module.set_weight(tensor, placement.rows, slice(shard.start, shard.stop) if row_parallel else None)
+        return torch.isfinite(tensor).logical_not().sum()
+    param = params[placement.param]
+    target = param if placement.rows is None else param[placement.rows]
+    target.copy_(read(shard))
+    return torch.isfinite(target).logical_not().sum()  # after the cast: overflow too
 
 
 def random_config(spec: str) -> ModelConfig:
@@ -196,11 +223,16 @@ def random_config(spec: str) -> ModelConfig:
 
 
 def random_model(spec: str, device: str | torch.device, dtype: torch.dtype, seed: int = 0,
-                 std: float = 0.02, quantization: str | None = None) -> DiffusionLM:
+                 std: float = 0.02, quantization: str | None = None, tp: TensorParallel | None = None) -> DiffusionLM:
     """A model with random weights of `random_config(spec)`, drawn directly on `device` (FP8 weights are drawn in
-    `dtype` and quantised: the same model as without quantization, quantised)."""
-    model = build_model(random_config(spec), device, dtype, name=f"random:{spec}", quantization=quantization)
+    `dtype` and quantised: the same model as without quantization, quantised). Under tensor parallelism `tp`, this
+    rank's shard of the same model: each parameter is drawn whole, one at a time, and this rank's part kept."""
+    cfg = random_config(spec)
+    model = build_model(cfg, device, dtype, name=f"random:{spec}", quantization=quantization, tp=tp)
     generator = torch.Generator(device=device).manual_seed(seed)
+    if model.tp.size > 1:
+        _draw_shards(model, build_model(cfg, "meta", dtype), generator, std, device)
+        return model
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
             if name == "bias":
@@ -215,10 +247,34 @@ def random_model(spec: str, device: str | torch.device, dtype: torch.dtype, seed
     return model
 
 
+def _draw_shards(model: DiffusionLM, whole: DiffusionLM, generator: torch.Generator, std: float,
+                 device: str | torch.device):
+    """random_model's draws, parameter by parameter of the whole model (on the meta device: its shapes), in its
+    order, each placed as the loader places a checkpoint tensor."""
+    local, params = model.checkpoint_layout(), dict(model.named_parameters())
+    fills: dict[str, list[tuple[str, slice | None]]] = {}  # whole parameter -> its checkpoint tensors
+    for name, placement in whole.checkpoint_layout().items():
+        fills.setdefault(placement.param, []).append((name, placement.rows))
+    for module_name, module in whole.named_modules():
+        for kind, param in module.named_parameters(recurse=False):
+            drawn = torch.empty(param.shape, dtype=param.dtype, device=device)
+            if kind == "bias":
+                drawn.zero_()
+            elif isinstance(module, RMSNorm):
+                drawn.fill_(1.0)
+            else:
+                drawn.normal_(0.0, std, generator=generator)
+            for name, rows in fills[f"{module_name}.{kind}" if module_name else kind]:
+                tensor = drawn if rows is None else drawn[rows]
+                _place(model, params, local[name], lambda shard: tensor if shard is None else shard.of(tensor))
+
+
 def save_checkpoint(model: DiffusionLM, path: str | Path, hf_config: dict, num_shards: int = 1,
                     dtype: torch.dtype | None = None):
     """Write `model` as a Hugging Face checkpoint directory: config.json plus one model.safetensors or
     `num_shards` shards with an index, under the checkpoint's own tensor names."""
+    if model.tp.size > 1:
+        raise ValueError("save_checkpoint writes a whole model; a tensor-parallel rank holds a shard of it")
     if any(isinstance(module, Fp8Linear) for module in model.modules()):
         raise ValueError("save_checkpoint writes the model's dtype; a model with FP8 weights (quantization='fp8') "
                          "is quantised as it loads: save the original checkpoint instead")
@@ -226,7 +282,7 @@ def save_checkpoint(model: DiffusionLM, path: str | Path, hf_config: dict, num_s
     path.mkdir(parents=True, exist_ok=True)
     params = dict(model.named_parameters())
     tensors = {}
-    for name, (param_name, rows) in model.checkpoint_layout().items():
+    for name, (param_name, rows, _) in model.checkpoint_layout().items():
         tensor = params[param_name].detach() if rows is None else params[param_name].detach()[rows]
         tensors[name] = tensor.to(dtype or tensor.dtype, copy=True).contiguous().cpu()
     (path / "config.json").write_text(json.dumps(hf_config, indent=2))

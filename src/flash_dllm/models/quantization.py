@@ -70,23 +70,27 @@ class Fp8Linear(nn.Module):
         return stacked_rows(self.output_sizes, shard)
 
     @torch.no_grad()
-    def set_weight(self, weight: torch.Tensor, rows: slice | None = None):
-        """Quantise `weight` (any float dtype, on this module's device) into output rows `rows` (default: all)."""
+    def set_weight(self, weight: torch.Tensor, rows: slice | None = None, columns: slice | None = None):
+        """Quantise `weight` (any float dtype, on this module's device) into output rows `rows` (default: all);
+        `columns`: only these columns of it are this module's (a row-parallel shard under tensor parallelism),
+        each output channel's scale still that of its whole row, as without tensor parallelism."""
         rows = rows or slice(None)
         values, scale = quantize_rows_ref(weight)
-        self.weight[rows] = values
+        self.weight[rows] = values if columns is None else values[:, columns]
         self.weight_scale[rows] = scale
 
-    def product(self, x: Fp8Rows) -> ScaledProduct:
-        """The kernel path: quantised rows x [M, in] -> the ScaledProduct [M, out]."""
-        return fp8_product(x, self.weight, self.weight_scale, self.bias, self.dtype)
+    def product(self, x: Fp8Rows, bias: bool = True) -> ScaledProduct:
+        """The kernel path: quantised rows x [M, in] -> the ScaledProduct [M, out] (without the bias if not
+        `bias`)."""
+        return fp8_product(x, self.weight, self.weight_scale, self.bias if bias else None, self.dtype)
 
-    def forward(self, x: torch.Tensor, rows: slice | None = None) -> torch.Tensor:
-        """x [..., in] -> [..., out] (or output rows `rows` only) in the model's dtype: the PyTorch reference
-        (cuBLAS's FP8 GEMM on the GPU)."""
+    def forward(self, x: torch.Tensor, rows: slice | None = None, bias: bool = True) -> torch.Tensor:
+        """x [..., in] -> [..., out] (or output rows `rows` only; without the bias if not `bias`) in the model's
+        dtype: the PyTorch reference (cuBLAS's FP8 GEMM on the GPU)."""
         rows = rows or slice(None)
         product = fp8_product(quantize_rows_ref(x.reshape(-1, self.in_features)), self.weight[rows],
-                              self.weight_scale[rows], None if self.bias is None else self.bias[rows], self.dtype)
+                              self.weight_scale[rows], None if self.bias is None or not bias else self.bias[rows],
+                              self.dtype)
         return dequantize_ref(product, self.dtype).view(*x.shape[:-1], -1)
 
 
