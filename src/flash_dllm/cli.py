@@ -534,7 +534,7 @@ def cmd_serve(args):
                          api_key=args.api_key)
     replicas = args.data_parallel_size
     if replicas > 1:
-        devices = replica_devices(replicas, args.device, getattr(args, "tensor_parallel_size", None) or 1)
+        devices = replica_devices(replicas, args.device, args.tensor_parallel_size)
     sock = listening_socket(args.host, args.port)
     if replicas == 1:  # the engine loop in this process
         llm, pool = llm_from_args(args, max_batch_size=args.max_batch), None
