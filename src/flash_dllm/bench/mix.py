@@ -285,19 +285,11 @@ async def send(client, config: MixServeConfig, request: MixRequest, start: float
 
 
 async def run_online(config: MixServeConfig) -> MixResult:
-    import httpx
+    from .serve import server_client
 
     spec = config.spec
     requests = mix_requests(spec)
-    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-    limits = httpx.Limits(max_connections=spec.num_requests + 2)
-    async with httpx.AsyncClient(base_url=config.url, timeout=3600, limits=limits, headers=headers) as client:
-        try:
-            health = await client.get("/health")
-        except httpx.ConnectError:
-            raise ValueError(f"no server answers at {config.url} (start one with `flash-dllm serve`)") from None
-        if health.status_code != 200:
-            raise ValueError(f"{config.url}/health answered {health.status_code}")
+    async with server_client(config.url, config.api_key, spec.num_requests + 2, 3600) as client:
         before = metric_sums((await client.get("/metrics")).text)
         longest: list[tuple[float, float]] = []
 

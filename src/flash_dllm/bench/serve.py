@@ -8,6 +8,7 @@ phase must equal that single request's token ids: batching with other requests c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import random
 import statistics
@@ -106,17 +107,24 @@ async def ask(client: httpx.AsyncClient, config: ServeBenchConfig, pool: list[di
     return Answer(k, 200, latency, out["choices"][0]["token_ids"], out["usage"]["nfe"], out["usage"]["steps"])
 
 
-async def run(config: ServeBenchConfig) -> ServeBenchResult:
-    pool = prompt_pool(config)
-    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-    limits = httpx.Limits(max_connections=config.clients + 1)
-    async with httpx.AsyncClient(base_url=config.url, timeout=600, limits=limits, headers=headers) as client:
+@contextlib.asynccontextmanager
+async def server_client(url: str, api_key: str | None, connections: int, timeout: float):
+    """An HTTP client of the server at `url`, once its /health answers 200 (else a ValueError naming it)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=connections)
+    async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits, headers=headers) as client:
         try:
             health = await client.get("/health")
         except httpx.ConnectError:
-            raise ValueError(f"no server answers at {config.url} (start one with `flash-dllm serve`)") from None
+            raise ValueError(f"no server answers at {url} (start one with `flash-dllm serve`)") from None
         if health.status_code != 200:
-            raise ValueError(f"{config.url}/health answered {health.status_code}")
+            raise ValueError(f"{url}/health answered {health.status_code}")
+        yield client
+
+
+async def run(config: ServeBenchConfig) -> ServeBenchResult:
+    pool = prompt_pool(config)
+    async with server_client(config.url, config.api_key, config.clients + 1, 600) as client:
         counter = iter(range(1 << 62))
         await asyncio.gather(*(ask(client, config, pool, next(counter) % len(pool)) for _ in range(config.clients)))
 
