@@ -21,22 +21,29 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def test_serve_command_answers_and_stops_on_sigint():
+def serve_process(*flags: str, polls: int = 300) -> tuple[subprocess.Popen, str]:
+    """`flash-dllm serve --device cpu` with `flags` on a free port, and its URL once /health answers 200 (it listens
+    while it starts: 503 "starting" until its warm-up request is done); polled every 0.1 s, `polls` times."""
     port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "flash_dllm.cli", "serve", "--device", "cpu", "--port", str(port),
-                                "--max-tokens", "32", "--block-length", "8", "--method", "dual-cache",
-                                "--threshold", "0.8"], stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                *flags], stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(polls):
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                break
+        except httpx.ConnectError:
+            pass
+        if process.poll() is not None:
+            raise AssertionError(process.stderr.read())
+        time.sleep(0.1)
+    return process, url
+
+
+def test_serve_command_answers_and_stops_on_sigint():
+    process, url = serve_process("--max-tokens", "32", "--block-length", "8", "--method", "dual-cache",
+                                 "--threshold", "0.8")
     try:
-        url = f"http://127.0.0.1:{port}"
-        for _ in range(300):  # it listens while it starts: 503 "starting" until the warm-up request is done
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.ConnectError:
-                pass
-            assert process.poll() is None, process.stderr.read()
-            time.sleep(0.1)
         models = httpx.get(url + "/v1/models").json()["data"]
         assert models[0]["id"] == "default"
         body = httpx.post(url + "/v1/chat/completions", timeout=60,

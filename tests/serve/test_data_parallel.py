@@ -6,8 +6,6 @@ import asyncio
 import concurrent.futures
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import httpx
@@ -20,7 +18,7 @@ from flash_dllm.serve.async_engine import Failed, Request
 from flash_dllm.serve.replicas import ReplicaPool, replica_devices
 
 from .test_api_server import MESSAGES, PROGRAM, QUESTION, SLOW, metric, stream_events
-from .test_cli_serve import free_port
+from .test_cli_serve import free_port, serve_process
 
 # The conftest server's defaults, given in each request (the replicas' defaults are the command's).
 FIELDS = {"max_tokens": 32, "block_length": 8, "return_token_ids": True}
@@ -30,21 +28,10 @@ RUNNING = {"method": "reference", "remasking": "random", "max_tokens": 48, "bloc
 
 @pytest.fixture(scope="module")
 def dp_server():
-    port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "flash_dllm.cli", "serve", "--device", "cpu", "--port", str(port),
-                                "--data-parallel-size", "2", "--max-batch", "8", "--kv-cache-bytes", str(2**27),
-                                "--max-tokens", "32", "--block-length", "8"],
-                               stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    url = f"http://127.0.0.1:{port}"
+    # 503 "starting" until both replicas have run their warm-up request
+    process, url = serve_process("--data-parallel-size", "2", "--max-batch", "8", "--kv-cache-bytes", str(2**27),
+                                 "--max-tokens", "32", "--block-length", "8", polls=1200)
     try:
-        for _ in range(1200):  # 503 "starting" until both replicas have run their warm-up request
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.ConnectError:
-                pass
-            assert process.poll() is None, process.stderr.read()
-            time.sleep(0.1)
         yield url, process
     finally:
         if process.poll() is None:
