@@ -6,10 +6,7 @@
 set -u
 export PYTHONPATH=$PWD/src
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.txt, print its last lines
-  local name=$1 limit=$2; shift 2
-  timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1; echo "## $name (rc $?)"; tail -n 4 "$OUT/$name.txt"
-}
+source "$(dirname "$0")/steps.sh"
 step gpu_tests 240 python -m pytest -q -p no:cacheprovider tests/engine tests/kernels tests/decoding/test_elastic.py
 step graphs_vs_eager 120 python - <<'PY'
 from flash_dllm import LLM, SamplingParams

@@ -9,10 +9,7 @@
 #       bash benchmarks/h200_first_hour.sh
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.txt, print its last lines
-  local name=$1 limit=$2; shift 2
-  timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1; echo "## $name (rc $?)"; tail -n "${TAIL:-4}" "$OUT/$name.txt"
-}
+source "$(dirname "$0")/steps.sh"
 if [ -n "${WHEELS:-}" ]; then  # the server's packages (the GPU image has no FastAPI/uvicorn)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
       "$WHEELS"/*.whl && export PYTHONPATH=/tmp/site

@@ -10,10 +10,7 @@
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src
-step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.txt, print its last lines
-  local name=$1 limit=$2; shift 2
-  timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1; echo "## $name (rc $?)"; tail -n "${TAIL:-4}" "$OUT/$name.txt"
-}
+source "$(dirname "$0")/steps.sh"
 gen() {  # gen NAME SECONDS BATCH [OPTIONS...]: the three methods of the speed targets
   local name=$1 limit=$2 batch=$3; shift 3
   TAIL=5 step "$name" "$limit" python -m flash_dllm.cli bench generate --batch-sizes "$batch" \

@@ -8,10 +8,10 @@
 set -u
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.txt, print its last lines
-  local name=$1 limit=$2; shift 2
-  timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1; echo "## $name (rc $?)"; grep -v IndexKernel "$OUT/$name.txt" | tail -n 14
-}
+source "$(dirname "$0")/steps.sh"
+TAIL=${TAIL:-14}
+no_index_kernel() { grep -v IndexKernel; }  # the logs without their IndexKernel lines
+FILTER=no_index_kernel
 step kernel_tests 150 python -m pytest -q -p no:cacheprovider tests/kernels/test_invariant_matmul.py \
     tests/kernels/test_flash_attention.py tests/kernels/test_rms_norm.py
 step engine_tests 100 python -m pytest -q -p no:cacheprovider tests/engine/test_batch_invariant.py -k "kernel or refused"

@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
 # Issue 40's device runs (steady latency under mixed traffic), each step bounded in time and logged to $OUT
 # (PART picks which):
-#   PART=check   the GPU tests of the warm-up, graphs and counters; `bench mix` offline, a short mix, before
-#                (--no-warm-up-requests: the KV cache and compile_kernels only) and after (serve's warm-up)
-#   PART=serve   `serve` (random LLaDA-8B, bf16, flash-cache defaults) timed to ready on this machine's Triton cache,
-#                then `bench serve --mix` at a rate that keeps the batch at 8-32, and /metrics after
-#   PART=cold    the same start-up with an empty Triton cache (TRITON_CACHE_DIR fresh): the <= 60 s budget
+#   PART=offline  `bench mix` (random LLaDA-8B, bf16) after serve's warm-up (engine/warmup.before_ready): the mix of
+#                 every cached method, dense and chunk-routed, at 1 request/s; then one method and generation length
+#                 (flash-cache, 128 tokens; prompts 64-4k) at RATE, whose batch reaches 8-32, with no CUDA graph
+#                 captured after ready (as `serve` now runs) and with graphs captured lazily (--capture-after-ready,
+#                 as before): the throughput that stopping the captures costs; then the same one request at a time
+#   PART=serve    `serve` (flash-cache defaults) timed to ready on this machine's Triton cache, then
+#                 `bench serve --mix` and /metrics after
+#   PART=cold     the same start-up with an empty Triton cache (TRITON_CACHE_DIR fresh): the <= 60 s budget
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src
-step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.txt, print its last lines
-  local name=$1 limit=$2; shift 2
-  timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1; echo "## $name (rc $?)"; tail -n "${TAIL:-4}" "$OUT/$name.txt"
-}
+source "$(dirname "$0")/steps.sh"
+FILTER="grep -v variant/s"
 MIX="--rate ${RATE:-3} --requests ${REQUESTS:-300} --mix-prompt-lengths 64 256 1024 4096 8192 --mix-max-tokens 32 128 512"
 serve_and_mix() {  # serve_and_mix NAME: start a server, time it to ready, run the mix against it, keep /metrics
   local name=$1 start=$SECONDS
@@ -31,14 +32,17 @@ serve_and_mix() {  # serve_and_mix NAME: start a server, time it to ready, run t
   grep -E "after_ready|step_seconds|start_up" "$OUT/${name}_metrics_end.txt"
   kill $pid; wait $pid 2> /dev/null
 }
-case "${PART:-check}" in
-check)
-  step gpu_tests 200 python -m pytest -q -p no:cacheprovider tests/engine/test_warmup.py tests/engine/test_cuda_graphs.py \
-      tests/engine/test_counters.py tests/bench/test_mix.py
-  TAIL=30 step mix_before 200 python -m flash_dllm.cli bench mix --no-warm-up-requests --rate 2 --requests 60 \
-      --mix-prompt-lengths 64 1024 8192 --mix-max-tokens 32 128
-  TAIL=30 step mix_after 260 python -m flash_dllm.cli bench mix --rate 2 --requests 60 \
-      --mix-prompt-lengths 64 1024 8192 --mix-max-tokens 32 128 ;;
+case "${PART:-offline}" in
+offline)
+  BENCH="python -m flash_dllm.cli bench mix"
+  SINGLE="--mix-methods flash-cache --mix-max-tokens 128 --mix-prompt-lengths 64 256 1024 4096"
+  TAIL=34 step mix_every_method 140 $BENCH --rate 1 --requests "${MIX_REQUESTS:-30}" --mix-prompt-lengths 64 1024 8192 \
+      --mix-max-tokens 32 128
+  TAIL=12 step batched_no_captures 110 $BENCH $SINGLE --rate "${RATE:-8}" --requests "${REQUESTS:-150}"
+  TAIL=12 step batched_lazy_captures 110 $BENCH $SINGLE --rate "${RATE:-8}" --requests "${REQUESTS:-150}" \
+      --capture-after-ready
+  TAIL=12 step alone_no_captures 60 $BENCH $SINGLE --rate 0.3 --requests 8
+  TAIL=12 step alone_lazy_captures 60 $BENCH $SINGLE --rate 0.3 --requests 8 --capture-after-ready ;;
 serve)
   serve_and_mix warm ;;
 cold)

@@ -10,10 +10,8 @@ set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 GPUS=$(python -c "import torch; print(torch.cuda.device_count())")
-step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.txt, print its last lines
-  local name=$1 limit=$2; shift 2
-  timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1; echo "## $name (rc $?)"; tail -n "${TAIL:-6}" "$OUT/$name.txt"
-}
+source "$(dirname "$0")/steps.sh"
+TAIL=${TAIL:-6}
 case "${PART:-tp}" in
 tp)
   step tp_tests 200 python -m pytest -q -p no:cacheprovider tests/engine/test_tensor_parallel.py

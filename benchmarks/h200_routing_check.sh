@@ -13,11 +13,8 @@ PART=${PART:-all}
 PYTHONPATH=$PWD/src python -c "
 import json; from flash_dllm.config import PRESETS
 json.dump({**PRESETS['llada-8b'], 'max_sequence_length': 40960}, open('/tmp/long/config.json', 'w'))"
-step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.txt, print its last lines
-  local name=$1 limit=$2 rc; shift 2
-  timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1; rc=$?; echo "## $name (rc $rc)"; tail -n 12 "$OUT/$name.txt"
-  return $rc
-}
+source "$(dirname "$0")/steps.sh"
+TAIL=${TAIL:-12}
 if [ "$PART" != bench ]; then
   # a kernel that does not compile on the GPU makes every benchmark below fail: stop here instead
   step kernel_tests 240 env PYTHONPATH=$PWD/src python -m pytest -q -x -p no:cacheprovider \

@@ -11,10 +11,7 @@
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 PART=${PART:-tests,tokens,bench}
-step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.txt, print its last lines
-  local name=$1 limit=$2; shift 2
-  timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1; echo "## $name (rc $?)"; tail -n "${TAIL:-4}" "$OUT/$name.txt"
-}
+source "$(dirname "$0")/steps.sh"
 base=/tmp/base_tree
 if [ -n "${BASE:-}" ]; then
   rm -rf $base && mkdir -p $base && tar -xf "$BASE" -C $base

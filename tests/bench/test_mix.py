@@ -7,7 +7,8 @@ import pytest
 
 from flash_dllm import LLM
 from flash_dllm.bench.mix import (MixAnswer, MixResult, MixSpec, format_report, metric_sums, mix_requests,
-                                  run_offline, warm_up, worst_shape_ratio)
+                                  run_offline, worst_shape_ratio)
+from flash_dllm.engine.warmup import before_ready
 
 
 def test_the_mix_is_seeded_and_draws_from_its_spec():
@@ -35,15 +36,19 @@ def test_report_per_method_and_shape():
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the kernels, interpreted on the CPU")
 def test_no_kernel_variant_is_new_after_the_warm_up():
-    """A scripted mix (requests arriving together, dense and routed in one batch) after `serve`'s warm-up for its
-    methods, routings and lengths: no launch of a variant key the warm-up did not launch."""
-    spec = MixSpec(num_requests=2, rate=1e6, prompt_lengths=(16,), max_tokens=(8,), methods=("flash-cache",),
+    """A scripted mix (requests arriving together, dense and routed in one batch, prompt lengths the warm-up did
+    not run) after `serve`'s warm-up for its methods and routings: no launch of a variant key the warm-up did not
+    launch. The warm-up's synthetic passes stop at the tile classes this mix can reach (at most 28 rows a request:
+    row counts 1 and 32, the attention kernel's 16- and 32-row tiles)."""
+    methods = ("flash-cache", "elastic")
+    spec = MixSpec(num_requests=4, rate=1e6, prompt_lengths=(12, 20), max_tokens=(8,), methods=methods,
                    routings=(None, "chunk"), block_length=8, seed=0)
     requests = mix_requests(spec, vocab_size=320)
-    assert {r.kv_routing for r in requests} == {None, "chunk"}
-    llm = LLM(device="cpu", dtype="float32", kernels=True, max_batch_size=8)
-    warm_up(llm, spec)
+    assert {r.kv_routing for r in requests} == {None, "chunk"} and {r.method for r in requests} == set(methods)
+    llm = LLM(device="cpu", dtype="float32", kernels=True, max_batch_size=8, kv_cache_bytes=1 << 22)
+    before_ready(llm, methods, spec.routings, prompt_lengths=(16,), max_tokens=(8,), block_length=8,
+                 row_counts=(1, 32))
     result = run_offline(llm, spec, requests)
     assert all(a.ok and 0 < a.ttft_s <= a.e2e_s for a in result.answers), result.answers
-    assert result.compiles == (0, 0.0), result.events
+    assert result.compiles == (0, 0.0), result.after_ready
     assert result.captures == (0, 0.0)  # no CUDA graphs on the CPU

@@ -1,5 +1,5 @@
-"""The kernel warm-up runs each kind of cached pass once per row count, once per model and process, through the
-first layer; a compile that outlasts a warm disk cache is reported with a bar."""
+"""The kernel warm-up runs each kind of cached pass once per row count, dense and routed, once per model and
+process, through the first layer; a compile that outlasts a warm disk cache is reported with a bar."""
 from __future__ import annotations
 
 import threading
@@ -22,18 +22,26 @@ def test_compile_kernels_runs_every_pass_kind_once_per_model(gqa_checkpoint):
     forward_cached = model.forward_cached
     model.forward_cached = lambda ids, positions, metadata, cache, key_mass=None, kernels=False: passes.append(
         (metadata.num_seqs, metadata.max_q, metadata.max_kv, metadata.write_cache, key_mass is not None,
-         len(model.layers))) or forward_cached(ids, positions, metadata, cache, key_mass, kernels)
+         metadata.routing.policies if metadata.routing else (), len(model.layers))
+    ) or forward_cached(ids, positions, metadata, cache, key_mass, kernels)
     compile_kernels(model, cache, row_counts=(1, 3, 32), request_counts=(1, 2))  # 32 rows do not fit: skipped
     kinds = [(True, False), (True, True), (False, False)]
+    shapes = [(rows, requests) for rows in (1, 3) for requests in (1, 2)]
     # over as many keys as rows, and over the most the cache holds (LONG_KV is more): the split-key variants;
+    # then routed over the most keys; then one routed pass per power of two of chunks (here the cache's 16 rows
+    # are less than a chunk) and policy kind;
     # through the first layer only (every layer launches the same variants), all of them there again after;
     # on the GPU a first sweep finds the variants without launching them (compiled in parallel), a second runs them
+    dense = [(requests, rows, kv, *kind, (), 1) for rows, requests in shapes for kv in (rows, 16) for kind in kinds]
+    routed = [(requests, rows, 16, *kind, ("chunk",), 1) for rows, requests in shapes for kind in kinds]
+    chunks = [(1, 1, 16, True, False, (policy,), 1) for policy in ("chunk", "kmeans")]
     sweeps = 2 if device == "cuda" else 1
-    assert passes == sweeps * [(requests, rows, kv, *kind, 1) for rows in (1, 3) for requests in (1, 2)
-                               for kv in (rows, 16) for kind in kinds]
+    assert passes == sweeps * dense  # a `generate`'s: no routed pass (they allocate the routing's summaries)
+    compile_kernels(model, cache, row_counts=(1, 3, 32), request_counts=(1, 2), routed=True)  # a server's
+    assert passes == sweeps * dense + sweeps * (routed + chunks)
     assert len(model.layers) == cfg.num_layers > 1
-    compile_kernels(model, cache, row_counts=(1, 3))
-    assert len(passes) == sweeps * 24
+    compile_kernels(model, cache, row_counts=(1, 3), routed=True)
+    assert len(passes) == sweeps * (24 + 12 + 2)
 
 
 def test_compiles_that_outlast_a_warm_cache_are_reported_with_a_bar(capsys):

@@ -110,7 +110,8 @@ class MixResult:
     captures: tuple[int, float] = (0, 0.0)
     steps: list[tuple[float, int]] = field(default_factory=list)  # offline: (seconds, batch size) of each step
     longest_step: tuple[float, float] = (0.0, 0.0)  # (seconds, over its batch size's median)
-    events: list = field(default_factory=list)  # the compiles and captures after ready (offline: the last ones)
+    # offline: the compiles and captures after ready per (kind, kernel or graph key)
+    after_ready: dict = field(default_factory=dict)
 
     @property
     def ok(self) -> list[MixAnswer]:
@@ -165,8 +166,9 @@ def format_report(result: MixResult) -> str:
         rows = [(batch, n, f"{median * 1e3:.1f}", f"{ratio:.2f}")
                 for batch, (n, median, ratio) in step_ratios(result.steps).items()]
         parts += ["", markdown_table(STEP_HEADER, rows)]
-    if result.events:
-        parts += ["", "after ready: " + "; ".join(f"{e.kind[:-1]} {e.name} {e.seconds:.3f} s" for e in result.events)]
+    if result.after_ready:
+        parts += ["", "after ready: " + "; ".join(f"{kind[:-1]} {name} x{t.count} {t.seconds:.3f} s"
+                                                  for (kind, name), t in result.after_ready.items())]
     return "\n".join(parts)
 
 
@@ -218,19 +220,25 @@ def run_offline(llm, spec: MixSpec, requests: list[MixRequest] | None = None) ->
     wall = time.perf_counter() - start
     after = mark.after()
     return MixResult([answers[r.index] for r in requests], wall, (after["compiles"].count, after["compiles"].seconds),
-                     (after["captures"].count, after["captures"].seconds), steps, events=mark.events_after())
+                     (after["captures"].count, after["captures"].seconds), steps, after_ready=mark.after_by_name())
 
 
-def warm_up(llm, spec: MixSpec, requests: bool = True):
-    """What `serve` does before ready, for the mix's methods and routings: the KV cache with the hidden states
-    (and with it compile_kernels), then warm_up_requests over the mix's lengths (requests=False: as before issue
-    40, the cache and compile_kernels only)."""
-    from ..engine.warmup import warm_up_requests
+def warm_up(llm, spec: MixSpec, requests: bool = True, capture_after_ready: bool = False):
+    """What `serve` does before ready (engine/warmup.py's `before_ready`), for the mix's methods, routings and
+    lengths, then no CUDA-graph captures. requests=False: as before issue 40, the KV cache and compile_kernels only.
+    capture_after_ready: graphs are still captured lazily during the mix (as before issue 40: the throughput
+    that stopping the captures costs)."""
+    from ..engine.warmup import before_ready, compile_kernels
 
-    llm.runner.allocate_cache(with_hidden=True)
+    runner = llm.runner
     if requests:
-        warm_up_requests(llm, methods=spec.methods, routings=spec.routings, prompt_lengths=spec.prompt_lengths,
-                         max_tokens=spec.max_tokens, block_length=spec.block_length)
+        before_ready(llm, spec.methods, spec.routings, spec.prompt_lengths, spec.max_tokens, spec.block_length)
+    else:
+        cache = runner.allocate_cache(with_hidden=True)
+        if runner.kernels:
+            compile_kernels(llm.model, cache, ordered=runner.batch_invariant)
+    if runner.graphs is not None and not capture_after_ready:
+        runner.graphs.stop_capturing()
 
 
 # Against a server.

@@ -1,6 +1,6 @@
 """What a request may wait for besides its own work: kernel compiles, CUDA-graph captures, and long steps.
 
-Counted process-wide (a data-parallel replica is a process of its own, so its counts are its own):
+Counted process-wide, in total and per kernel or graph key (a data-parallel replica is a process of its own, so its counts are its own):
 - compiles: each new Triton kernel variant. On the GPU, each call of Triton's `JITFunction._do_compile` (a
   variant missing from the kernel's in-memory cache: compiled, or loaded from the disk cache), timed from the
   launch that found it missing to the launch's return (the launcher's build and the module's load included).
@@ -27,15 +27,6 @@ from collections import deque
 
 log = logging.getLogger("flash_dllm.counters")
 KINDS = ("compiles", "captures")
-RECENT = 32  # the last events kept, for reports
-
-
-@dataclasses.dataclass(frozen=True)
-class Event:
-    kind: str      # "compiles" or "captures"
-    name: str      # the kernel's name, or the graph's key
-    seconds: float
-    when: float    # time.perf_counter() at its end
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,22 +39,26 @@ class Tally:
 
 
 class Counters:
-    """Process-wide tallies of compiles and captures, and the last RECENT events."""
+    """Process-wide tallies of compiles and captures: per kind, and per (kind, name)."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._tallies = {kind: Tally() for kind in KINDS}
-        self.recent: deque[Event] = deque(maxlen=RECENT)
+        self._by_name: dict[tuple[str, str], Tally] = {}
 
     def record(self, kind: str, seconds: float, name: str = ""):
         with self._lock:
-            tally = self._tallies[kind]
-            self._tallies[kind] = Tally(tally.count + 1, tally.seconds + seconds)
-            self.recent.append(Event(kind, name, seconds, time.perf_counter()))
+            for table, key in ((self._tallies, kind), (self._by_name, (kind, name))):
+                tally = table.get(key, Tally())
+                table[key] = Tally(tally.count + 1, tally.seconds + seconds)
 
     def snapshot(self) -> dict[str, Tally]:
         with self._lock:
             return dict(self._tallies)
+
+    def snapshot_by_name(self) -> dict[tuple[str, str], Tally]:
+        with self._lock:
+            return dict(self._by_name)
 
     @contextlib.contextmanager
     def timed(self, kind: str, name: str = ""):
@@ -83,10 +78,10 @@ class ReadyMark:
     def __init__(self, counters: Counters = COUNTERS):
         self.counters = counters
         self.baseline: dict[str, Tally] | None = None
-        self.when: float | None = None
+        self.baseline_by_name: dict[tuple[str, str], Tally] = {}
 
     def mark(self):
-        self.baseline, self.when = self.counters.snapshot(), time.perf_counter()
+        self.baseline, self.baseline_by_name = self.counters.snapshot(), self.counters.snapshot_by_name()
 
     def after(self) -> dict[str, Tally]:
         if self.baseline is None:
@@ -94,9 +89,13 @@ class ReadyMark:
         now = self.counters.snapshot()
         return {kind: now[kind] - self.baseline[kind] for kind in KINDS}
 
-    def events_after(self) -> list[Event]:
-        """The recent events after the mark (at most RECENT)."""
-        return [e for e in list(self.counters.recent) if self.when is not None and e.when > self.when]
+    def after_by_name(self) -> dict[tuple[str, str], Tally]:
+        """Per (kind, name): what was counted since `mark()`, the names with none left out; largest time first."""
+        if self.baseline is None:
+            return {}
+        delta = {key: tally - self.baseline_by_name.get(key, Tally())
+                 for key, tally in self.counters.snapshot_by_name().items()}
+        return dict(sorted(((k, t) for k, t in delta.items() if t.count), key=lambda kt: -kt[1].seconds))
 
 
 class StepLog:

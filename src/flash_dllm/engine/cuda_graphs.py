@@ -132,6 +132,7 @@ class GraphedCalls:
         self.pool = None
         self.stream = None  # captures run off the default stream, on this one (made at the first)
         self.captures = self.replays = 0
+        self.capturing = True  # False once a server is ready (`stop_capturing`)
 
     def run(self, key: tuple, fn, tensors: tuple[torch.Tensor, ...] = (),
             capture_after: int | None = None) -> tuple[torch.Tensor, ...]:
@@ -149,7 +150,8 @@ class GraphedCalls:
                 self.sightings[key] = seen + 1
                 return fn(*tensors)
             self.sightings.pop(key, None)
-            with COUNTERS.timed("captures", str(key[:3])):  # counted: /metrics' captures after ready
+            # counted by the call's kind (a key's first item where it names one): /metrics' captures after ready
+            with COUNTERS.timed("captures", key[0] if isinstance(key[0], str) else "cached pass"):
                 try:
                     captured = self._capture(fn, tensors, run_first=seen == 0 or self.stream is None)
                 except _NotUploaded:  # a host list of its eager sighting has left the memo since
@@ -166,8 +168,16 @@ class GraphedCalls:
 
     def capture_due(self, key: tuple, capture_after: int | None = None) -> bool:
         """Whether `run` captures a key it holds no graph of at its next call: seen `capture_after` times (None:
-        CAPTURE_AFTER)."""
-        return self.sightings.get(key, 0) >= (CAPTURE_AFTER if capture_after is None else capture_after)
+        CAPTURE_AFTER), while capturing."""
+        return self.capturing and self.sightings.get(key, 0) >= (CAPTURE_AFTER if capture_after is None
+                                                                 else capture_after)
+
+    def stop_capturing(self):
+        """From now on the graphs held replay, and a key without one runs eagerly: no capture on a request's path
+        (a server's, once ready). Under continuous batching a batch's tensors and shapes change at every arrival
+        and departure, so that most whole-step graphs would be captured for a few replays; at the batch sizes a
+        loaded server runs, the GPU's work hides the launches that eager steps add (benchmarks/RESULTS.md)."""
+        self.capturing = False
 
     def _capture(self, fn, tensors: tuple[torch.Tensor, ...], run_first: bool) -> _CapturedCall:
         self.stream = self.stream or torch.cuda.Stream(self.device)

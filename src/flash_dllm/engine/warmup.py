@@ -5,7 +5,9 @@ choose their tile sizes by row count. A step whose row count enters a new size c
 as its requests finish, a verify pass that grows) would otherwise compile in the middle of decoding, at
 0.1-1 s a variant: measured on the H200, the first sweep points of a method ran 5-20x slow. One pass per
 row-count class and pass kind reaches them all, through the first layer only: every layer launches the same
-variants (the same shapes, strides and alignments).
+variants (the same shapes, strides and alignments). Each is run dense and with routed prompt keys (the routed
+attention's own tilings and key splits), and a routed pass over each power of two of chunks reaches the
+routing kernels' variants (one per power of two of a pass's chunk count).
 
 The compiles run in parallel. A first sweep runs the passes without launching any Triton kernel: each new
 variant's compile goes to a thread pool once (triton.AsyncCompileMode, keyed as Triton keys its variants: the
@@ -29,8 +31,9 @@ from concurrent.futures import Future, ThreadPoolExecutor, as_completed, wait
 import torch
 from tqdm import tqdm
 
-from ..cache.attention_metadata import AttentionMetadata, FlatRows
+from ..cache.attention_metadata import AttentionMetadata, FlatRows, device_tensor
 from ..cache.kv_cache import KVCache
+from ..cache.routing import CHUNK, PromptRouting
 from ..kernels.greedy_tokens import greedy_tokens
 from .counters import install_compile_hooks
 
@@ -44,6 +47,9 @@ REQUEST_COUNTS = (1, 8)
 # programs, variants of the attention kernel of their own (kernels/flash_attention.py, SPLIT_MIN_KEYS).
 LONG_KV = 8192
 PASS_KINDS = ("write", "track", "verify")  # writes the cache; also sums the key mass; writes none (own keys)
+# The routed passes' policies: the routing kernels' two kinds of scored unit (KMEANS: regions; else chunks), and
+# a budget that opens some chunks, not all.
+ROUTED_POLICIES, ROUTED_BUDGET = ("chunk", "kmeans"), 0.125
 # A thread per core: LLaDA-8B's passes launch 34 variants (H200), so more than 32 threads would idle.
 COMPILE_THREADS = min(32, os.cpu_count() or 1)
 # A warm disk cache serves every variant sooner (H200, LLaDA-8B: no report in a second process); compiles that
@@ -56,15 +62,20 @@ _compiled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 @torch.inference_mode()
 def compile_kernels(model, cache: KVCache, row_counts: tuple[int, ...] = ROW_COUNTS,
-                    request_counts: tuple[int, ...] = REQUEST_COUNTS, ordered: bool = False):
+                    request_counts: tuple[int, ...] = REQUEST_COUNTS, ordered: bool = False, routed: bool = False):
     """Run the three kinds of cached pass (cache write; with tracked rows; verify, which writes no cache)
     through the kernels for each number of requests and rows per request, over as many keys as rows and over
     LONG_KV, on the first cache rows (shared by the requests). ordered: the batch-invariant mode's variants.
-    Then the greedy sampler once over the vocabulary. On the GPU the variants are compiled in parallel first.
-    Call before any sequence holds cache rows."""
-    if ordered in _compiled.get(model, ()):
+    Then the greedy sampler once over the vocabulary. routed: also the routed passes (`cached_passes`), which
+    allocate the routing's summaries beside the cache (a server's, whose any request may route; not a `generate`
+    that routes nothing). On the GPU the variants are compiled in parallel first. Call before any sequence holds
+    cache rows."""
+    done = _compiled.setdefault(model, set())
+    parts = [part for part in ("dense", "routed") if (ordered, part) not in done
+             and (part == "dense" or routed and not ordered)]  # routing is not batch-invariant: refused there
+    if not parts:
         return
-    passes = cached_passes(model, cache, row_counts, request_counts, ordered)
+    passes = cached_passes(model, cache, row_counts, request_counts, ordered, parts)
     with first_layer_only(model):
         if cache.k[0].is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             try:
@@ -74,39 +85,61 @@ def compile_kernels(model, cache: KVCache, row_counts: tuple[int, ...] = ROW_COU
                       f"compiling one at a time", file=sys.stderr)
         for run in passes:
             run()
-    _compiled.setdefault(model, set()).add(ordered)
+    done.update((ordered, part) for part in parts)
 
 
 def cached_passes(model, cache: KVCache, row_counts: tuple[int, ...], request_counts: tuple[int, ...],
-                  ordered: bool) -> list:
-    """compile_kernels' passes, each a call without arguments."""
+                  ordered: bool, parts: list[str]) -> list:
+    """compile_kernels' passes, each a call without arguments. parts: "dense" (the passes and the sampler),
+    "routed" (each row-count class and pass kind routed over the long keys: the routed tiles, splits and key mass;
+    and one routed pass per power of two of chunks up to the cache's rows, for each kind of routing kernel)."""
     device = cache.k[0].device
     long_kv = min(cache.num_rows, LONG_KV)
-    passes = [functools.partial(cached_pass, model, cache, rows, requests, kv, kind, ordered)
-              for rows, requests in itertools.product(row_counts, request_counts) if rows <= cache.num_rows
-              for kv in sorted({rows, max(rows, long_kv)}) for kind in PASS_KINDS]
-    for dtype in {torch.float32, cache.dtype}:  # the sampler's: full passes' fp32 logits, cached passes' own
-        passes.append(functools.partial(greedy_tokens, torch.zeros(1, model.config.vocab_size, dtype=dtype,
-                                                                   device=device), mask_id=0))
+    shapes = [(rows, requests) for rows, requests in itertools.product(row_counts, request_counts)
+              if rows <= cache.num_rows]
+    passes = []
+    if "dense" in parts:
+        passes += [functools.partial(cached_pass, model, cache, rows, requests, kv, kind, ordered)
+                   for rows, requests in shapes for kv in sorted({rows, max(rows, long_kv)}) for kind in PASS_KINDS]
+    if "routed" in parts:
+        passes += [functools.partial(cached_pass, model, cache, rows, requests, long_kv, kind, ordered, "chunk")
+                   for rows, requests in shapes if rows < long_kv for kind in PASS_KINDS]
+        chunk_counts = [CHUNK << i for i in range(cache.num_rows.bit_length()) if CHUNK << i < cache.num_rows]
+        passes += [functools.partial(cached_pass, model, cache, 1, 1, kv, "write", ordered, policy)
+                   for kv in [*chunk_counts, cache.num_rows] if kv > 1 for policy in ROUTED_POLICIES]
+    if "dense" in parts:
+        for dtype in {torch.float32, cache.dtype}:  # the sampler's: full passes' fp32 logits, cached passes' own
+            passes.append(functools.partial(greedy_tokens, torch.zeros(1, model.config.vocab_size, dtype=dtype,
+                                                                       device=device), mask_id=0))
     return passes
 
 
-def cached_pass(model, cache: KVCache, rows: int, requests: int, kv: int, kind: str, ordered: bool):
+def cached_pass(model, cache: KVCache, rows: int, requests: int, kv: int, kind: str, ordered: bool,
+                policy: str | None = None):
     """One cached pass of `kind` over `rows` query rows for each of `requests` requests, each reading `kv` keys of
-    the first cache rows."""
+    the first cache rows. policy: the requests' prompts (all but the rows) are routed by it; the rows are then
+    the last positions, generated ones (a pass with prompt rows reads every key)."""
     device = cache.k[0].device
     zeros = lambda *shape, dtype=torch.float32: torch.zeros(*shape, dtype=dtype, device=device)
     n = rows * requests
-    ids, positions = zeros(n, dtype=torch.long), torch.arange(rows, device=device).repeat(requests)
+    first = kv - rows if policy else 0
+    ids, positions = zeros(n, dtype=torch.long), torch.arange(first, first + rows, device=device).repeat(requests)
+    flat = FlatRows.from_counts([rows] * requests, device)
     options, key_mass = {}, None
     if kind == "track":
         options, key_mass = dict(track_rows=torch.ones(n, dtype=torch.bool, device=device)), zeros(requests, kv)
     elif kind == "verify":
         options = dict(write_cache=False, hidden_keys=zeros(requests, kv, dtype=torch.bool),
                        self_visibility=torch.ones(requests, rows, rows, dtype=torch.bool, device=device))
-    metadata = AttentionMetadata.build(FlatRows.from_counts([rows] * requests, device),
-                                       zeros(requests, dtype=torch.long), torch.full((requests,), kv, device=device),
-                                       positions, kv, ordered=ordered, **options)
+    if policy:
+        upload = lambda values: device_tensor(values, device)
+        options["routing"] = PromptRouting.build(
+            [first] * requests, [kv] * requests, [rows] * requests, kind != "verify", [ROUTED_BUDGET] * requests,
+            [policy] * requests, flat.request, positions, upload(list(range(requests))),
+            zeros(requests, dtype=torch.long), zeros(requests, dtype=torch.long), upload)
+    metadata = AttentionMetadata.build(flat, zeros(requests, dtype=torch.long),
+                                       torch.full((requests,), kv, device=device), positions, kv, ordered=ordered,
+                                       **options)
     model.forward_cached(ids, positions, metadata, cache, key_mass=key_mass, kernels=True)
 
 
@@ -252,6 +285,22 @@ def warm_up_requests(llm, methods: tuple[str, ...] | None = None, routings: tupl
     finally:
         runner.graphs = graphs
     return ran
+
+
+def before_ready(llm, methods: tuple[str, ...] | None = None, routings: tuple[str | None, ...] | None = None,
+                 prompt_lengths: tuple[int, ...] = WARM_UP_PROMPT_LENGTHS,
+                 max_tokens: tuple[int, ...] = WARM_UP_MAX_TOKENS, block_length: int = 32,
+                 row_counts: tuple[int, ...] = ROW_COUNTS):
+    """What a server runs before it reports ready (and `bench mix` before its mix): the KV cache, with room for
+    Elastic-Cache's per-layer hidden states, which any request may ask for (allocated later, beyond the budget,
+    they could run the device out of memory while serving); on the kernel path, compile_kernels' passes
+    (`row_counts`) and the warm-up requests (`warm_up_requests`' arguments). The caller then runs what else it
+    wants warm and stops the CUDA graphs' captures (CudaGraphs.stop_capturing)."""
+    runner = llm.runner
+    cache = runner.allocate_cache(with_hidden=True)
+    if runner.kernels:
+        compile_kernels(llm.model, cache, row_counts, ordered=runner.batch_invariant, routed=True)
+        warm_up_requests(llm, methods, routings, prompt_lengths, max_tokens, block_length)
 
 
 def _fits(engine, prompt_length: int, params) -> bool:

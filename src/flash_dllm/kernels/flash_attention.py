@@ -41,6 +41,18 @@ except ImportError:  # the package imports without triton; only the kernel needs
 
 
 ROUTED_BLOCK_N = 64
+_UNUSED: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def unused(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The argument of a pointer parameter that a constexpr flag keeps unread, one per dtype and device. Each
+    parameter gets its own dtype whether it is read or not: a pointer's dtype is part of the compiled variant, so
+    that the flags alone pick the variant (a stand-in of another dtype would be a variant of its own to compile,
+    met first on a request's path)."""
+    key = (dtype, device)
+    if key not in _UNUSED:
+        _UNUSED[key] = torch.zeros(1, 1, 16, dtype=dtype, device=device)  # three dims: any stride is 16 or 1
+    return _UNUSED[key]
 
 
 class RoutedKeys(NamedTuple):
@@ -85,6 +97,9 @@ TARGET_PROGRAMS = 264
 SPLIT_MIN_KEYS, SPLIT_MIN_KEYS_WITH_MASS = 4096, 16384
 MIN_SPLIT_TILES = 2  # a split covers at least this many key tiles
 MAX_SPLIT_KEYS = 3072
+# The merge reads every split's partials in one block: one variant for up to this many splits, not one per power
+# of two (each met first on a request's path: a compile there).
+MERGE_BLOCK_S = 16
 
 
 def num_splits(programs: int, max_kv: int, block_n: int, key_mass: bool = False) -> int:
@@ -143,47 +158,50 @@ def flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         part_sum = torch.zeros(splits, N, H, device=q.device)
     else:
         part_out = out
-        part_max = part_sum = q  # unread
-    # Dummy pointers for the disabled features; their constexpr flags keep them unread.
+        part_max = part_sum = unused(torch.float32, q.device)
+    # The disabled features' pointers: typed stand-ins (`unused`), kept unread by their constexpr flags.
     k_new, v_new = (k_new, v_new) if has_new else (k_cache, v_cache)
-    visibility = metadata.self_visibility.contiguous().view(torch.uint8) if has_new else q
-    listed = listed_count = q  # unread without routing
+    u8 = unused(torch.uint8, q.device)
+    visibility = metadata.self_visibility.contiguous().view(torch.uint8) if has_new else u8
+    listed = listed_count = unused(torch.int32, q.device)
     if routed is not None:  # one mask per KV head
         listed, listed_count = routed.tiles, routed.count
         hidden = routed.hidden if hidden is None else routed.hidden | hidden[:, None, :]
-    hidden = hidden.contiguous().view(torch.uint8) if hidden is not None else q
-    stride_hh = hidden.stride(1) if routed is not None else 0
-    track_rows = metadata.track_rows.contiguous().view(torch.uint8) if track else q
+    has_hidden, has_tiles = hidden is not None, routed is not None
+    hidden = hidden.contiguous().view(torch.uint8) if has_hidden else u8
+    stride_hh = hidden.stride(1) if has_tiles else 0
+    stride_tb, stride_th = (listed.stride(0), listed.stride(1)) if has_tiles else (0, 0)
+    track_rows = metadata.track_rows.contiguous().view(torch.uint8) if track else u8
     # Atomics would add the partial masses in a different order every run, and a near-tie in the tracked
     # set could then flip a token; partial rows summed after the launch give the same mass every time.
-    partial = torch.zeros(metadata.num_seqs, tiles * H, metadata.max_kv, device=q.device) if track else q
+    partial = (torch.zeros(metadata.num_seqs, tiles * H, metadata.max_kv, device=q.device) if track
+               else unused(torch.float32, q.device))
     dot_fp32 = q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
     block_d = max(16, triton.next_power_of_2(D))
     _flash_attention_kernel[grid](
         q, k_cache, v_cache, *fp8.pointers, part_out, part_max, part_sum, k_new, v_new,
         metadata.cu_seqlens_q, metadata.kv_start, metadata.kv_len, hidden, visibility, track_rows, partial,
-        listed, listed_count, listed.stride(0) if listed is not q else 0, listed.stride(1) if listed is not q else 0,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        listed, listed_count, stride_tb, stride_th, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1),
         *fp8.strides, part_out.stride(-3), part_out.stride(-2), part_out.stride(0) if split else 0,
         part_max.stride(0) if split else 0, H, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         hidden.stride(0), stride_hh, visibility.stride(0), visibility.stride(1), partial.stride(0),
         partial.stride(1), D ** -0.5, D, kv_chunk, H,
-        GROUP=group, HAS_HIDDEN=hidden is not q, HAS_NEW=has_new, TRACK=track and not split,
-        SPLIT=split, HAS_TILES=listed is not q, KV_FP8=fp8.on, BLOCK_D=block_d, DOT_FP32=dot_fp32, **config)
+        GROUP=group, HAS_HIDDEN=has_hidden, HAS_NEW=has_new, TRACK=track and not split,
+        SPLIT=split, HAS_TILES=has_tiles, KV_FP8=fp8.on, BLOCK_D=block_d, DOT_FP32=dot_fp32, **config)
     if split:
-        lse = torch.empty(N, H, device=q.device) if track else q
+        lse = torch.empty(N, H, device=q.device) if track else unused(torch.float32, q.device)
         _merge_splits_kernel[(N, H)](
             part_out, part_max, part_sum, out, lse, splits, part_out.stride(0), part_out.stride(1),
             part_out.stride(2), part_max.stride(0), part_max.stride(1), out.stride(0), out.stride(1), D,
-            KEEP_LSE=track, BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=block_d)
+            KEEP_LSE=track, BLOCK_S=max(MERGE_BLOCK_S, triton.next_power_of_2(splits)), BLOCK_D=block_d)
         if track:
             _key_mass_kernel[grid](
                 q, k_cache, fp8.pointers[0], lse, partial, metadata.cu_seqlens_q, metadata.kv_start, metadata.kv_len,
-                hidden, track_rows, listed, listed_count, listed.stride(0) if listed is not q else 0,
-                listed.stride(1) if listed is not q else 0, q.stride(0), q.stride(1), k_cache.stride(0),
-                k_cache.stride(1), fp8.strides[0], lse.stride(0), hidden.stride(0), stride_hh, partial.stride(0),
-                partial.stride(1), D ** -0.5, D, kv_chunk, H, GROUP=group, HAS_HIDDEN=hidden is not q,
-                HAS_TILES=listed is not q, KV_FP8=fp8.on,
+                hidden, track_rows, listed, listed_count, stride_tb, stride_th, q.stride(0), q.stride(1),
+                k_cache.stride(0), k_cache.stride(1), fp8.strides[0], lse.stride(0), hidden.stride(0), stride_hh, partial.stride(0),
+                partial.stride(1), D ** -0.5, D, kv_chunk, H, GROUP=group, HAS_HIDDEN=has_hidden,
+                HAS_TILES=has_tiles, KV_FP8=fp8.on,
                 BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_D=block_d, DOT_FP32=dot_fp32,
                 num_warps=config["num_warps"], num_stages=config["num_stages"])
     if track and not metadata.ordered:

@@ -458,16 +458,16 @@ def prometheus_text(replicas: list[tuple[str | None, Stats, bool]], throttled: i
 
 
 def start_up(llm: LLM, defaults: ServerDefaults):
-    """What runs before the server reports ready: the KV cache, and with it the kernels' compiles; then one request
-    with the server's defaults (its CUDA graphs and first-call allocations), not in the first client's latency.
-    The cache's budget leaves room for Elastic-Cache's per-layer hidden states, which any request may ask for:
-    allocated later, beyond the budget, they could run the device out of memory while serving."""
-    llm.runner.allocate_cache(with_hidden=True)
-    if llm.runner.kernels and llm.device.type == "cuda":  # the variants compile_kernels' passes do not reach
-        from ..engine.warmup import warm_up_requests
-        warm_up_requests(llm)
+    """What runs before the server reports ready (engine/warmup.py's `before_ready`): the KV cache, the kernels'
+    compiles and the warm-up requests; then one request with the server's defaults (its first-call allocations),
+    not in the first client's latency. From then on no CUDA graph is captured: none on a request's path."""
+    from ..engine.warmup import before_ready
+
+    before_ready(llm)
     probe = llm.encode("Hello") if llm.tokenizer is not None else [1, 2, 3, 4]
     llm.generate([probe], defaults.params, use_tqdm=False)
+    if llm.runner.graphs is not None:
+        llm.runner.graphs.stop_capturing()
 
 
 def listening_socket(host: str, port: int) -> socket.socket:

@@ -1,0 +1,7 @@
+# The `step` function, sourced by the benchmarks/*.sh device scripts (after they set OUT).
+step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.txt, print its last TAIL lines (default 4) through FILTER (a command, default cat); returns the command's status
+  local name=$1 limit=$2 rc; shift 2
+  timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1; rc=$?; echo "## $name (rc $rc)"
+  ${FILTER:-cat} < "$OUT/$name.txt" | tail -n "${TAIL:-4}"
+  return $rc
+}
