@@ -17,6 +17,7 @@ from flash_dllm.decoding.registry import method_of
 from flash_dllm.engine.cuda_graphs import (CAPTURE_AFTER, MAX_GRAPH_ROWS, CudaGraphs, GraphedCalls, bucket,
                                           pad_verify_pass, signature)
 from flash_dllm.engine import cuda_graphs
+from flash_dllm.engine.counters import ReadyMark
 from flash_dllm.engine.llm_engine import LLMEngine
 
 METHODS = [dict(method="prefix-cache"), dict(method="dual-cache"),
@@ -205,6 +206,26 @@ def test_capture_policy(monkeypatch):
     for _ in range(CAPTURE_AFTER + 2):
         graphed.run_pass(*big)
     assert graphed.captures == 3
+
+
+def test_no_capture_once_stopped(monkeypatch):
+    """After stop_capturing (a server once ready) the graphs held replay and a new shape stays eager, however
+    often it comes; nothing is counted as captured after the ready mark."""
+    monkeypatch.setattr(GraphedCalls, "_capture", lambda self, fn, tensors, run_first: FakeCapture(fn, tensors))
+    model = CountingForward()
+    graphed = CudaGraphs(model, torch.device("cpu"))
+    held = make_pass(8)
+    for _ in range(CAPTURE_AFTER + 1):
+        graphed.run_pass(*held)
+    graphed.stop_capturing()
+    mark = ReadyMark()
+    mark.mark()
+    eager, replays = model.eager, graphed.replays
+    graphed.run_pass(*held)
+    for _ in range(CAPTURE_AFTER + 3):
+        graphed.run_pass(*make_pass(9))
+    assert (graphed.captures, graphed.replays - replays, model.eager - eager) == (1, 1, CAPTURE_AFTER + 3)
+    assert mark.after()["captures"].count == 0
 
 
 class RecordingCapture:
