@@ -150,9 +150,10 @@ def test_empty_prompt(llm, gqa_checkpoint, tmp_path, capsys, empty):
 
 
 def test_interrupt_keeps_finished_results_and_exits_with_one_line(gqa_checkpoint, tmp_path):
-    """A real SIGINT (Ctrl-C) once two results are out: those stay printed, one line on stderr, exit 130."""
+    """A real SIGINT (Ctrl-C) once two results are out: those stay printed, one line on stderr, exit 130. (Enough
+    prompts that the run cannot end before the signal lands: 200 took about 3 s, and CI once saw it end first.)"""
     path = tmp_path / "prompts.txt"
-    path.write_text("".join(f"prompt {i}\n" for i in range(200)))
+    path.write_text("".join(f"prompt {i}\n" for i in range(5000)))
     command = [sys.executable, "-m", "flash_dllm.cli", "generate", "--file", str(path), "--model",
                str(gqa_checkpoint), "--device", "cpu", "--batch-size", "1", "--method", "reference",
                "--max-tokens", "32", "--block-length", "8", "--json", "--no-progress"]
@@ -164,7 +165,7 @@ def test_interrupt_keeps_finished_results_and_exits_with_one_line(gqa_checkpoint
     lines += rest.splitlines(keepends=True)
     assert process.returncode == 130 and all(line.endswith("\n") for line in lines)
     assert [json.loads(line)["finish_reason"] for line in lines] == ["length"] * len(lines)
-    assert err == f"flash-dllm: interrupted: {len(lines)} of 200 requests finished\n"
+    assert err == f"flash-dllm: interrupted: {len(lines)} of 5000 requests finished\n"
 
 
 # ----------------------------------------------------------------------------- errors of the call itself

@@ -39,7 +39,8 @@ def test_no_kernel_variant_is_new_after_the_warm_up():
     """A scripted mix (requests arriving together, dense and routed in one batch, prompt lengths the warm-up did
     not run) after `serve`'s warm-up for its methods and routings: no launch of a variant key the warm-up did not
     launch. The warm-up's synthetic passes stop at the tile classes this mix can reach (at most 28 rows a request:
-    row counts 1 and 32, the attention kernel's 16- and 32-row tiles)."""
+    row counts 1 and 32, the attention kernel's 16- and 32-row tiles; 1 and 4 requests a pass, which reach the
+    GEMM-and-epilogue path of passes over 64 rows)."""
     methods = ("flash-cache", "elastic")
     spec = MixSpec(num_requests=4, rate=1e6, prompt_lengths=(12, 20), max_tokens=(8,), methods=methods,
                    routings=(None, "chunk"), block_length=8, seed=0)
@@ -47,7 +48,7 @@ def test_no_kernel_variant_is_new_after_the_warm_up():
     assert {r.kv_routing for r in requests} == {None, "chunk"} and {r.method for r in requests} == set(methods)
     llm = LLM(device="cpu", dtype="float32", kernels=True, max_batch_size=8, kv_cache_bytes=1 << 22)
     before_ready(llm, methods, spec.routings, prompt_lengths=(16,), max_tokens=(8,), block_length=8,
-                 row_counts=(1, 32))
+                 row_counts=(1, 32), request_counts=(1, 4))
     result = run_offline(llm, spec, requests)
     assert all(a.ok and 0 < a.ttft_s <= a.e2e_s for a in result.answers), result.answers
     assert result.compiles == (0, 0.0), result.after_ready

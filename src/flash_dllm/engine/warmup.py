@@ -290,16 +290,16 @@ def warm_up_requests(llm, methods: tuple[str, ...] | None = None, routings: tupl
 def before_ready(llm, methods: tuple[str, ...] | None = None, routings: tuple[str | None, ...] | None = None,
                  prompt_lengths: tuple[int, ...] = WARM_UP_PROMPT_LENGTHS,
                  max_tokens: tuple[int, ...] = WARM_UP_MAX_TOKENS, block_length: int = 32,
-                 row_counts: tuple[int, ...] = ROW_COUNTS):
+                 row_counts: tuple[int, ...] = ROW_COUNTS, request_counts: tuple[int, ...] = REQUEST_COUNTS):
     """What a server runs before it reports ready (and `bench mix` before its mix): the KV cache, with room for
     Elastic-Cache's per-layer hidden states, which any request may ask for (allocated later, beyond the budget,
-    they could run the device out of memory while serving); on the kernel path, compile_kernels' passes
-    (`row_counts`) and the warm-up requests (`warm_up_requests`' arguments). The caller then runs what else it
-    wants warm and stops the CUDA graphs' captures (CudaGraphs.stop_capturing)."""
+    they could run the device out of memory while serving); on the kernel path, compile_kernels' passes, routed
+    too (`row_counts`, `request_counts`), and the warm-up requests (`warm_up_requests`' arguments). The caller
+    then runs what else it wants warm and stops the CUDA graphs' captures (CudaGraphs.stop_capturing)."""
     runner = llm.runner
     cache = runner.allocate_cache(with_hidden=True)
     if runner.kernels:
-        compile_kernels(llm.model, cache, row_counts, ordered=runner.batch_invariant, routed=True)
+        compile_kernels(llm.model, cache, row_counts, request_counts, runner.batch_invariant, True)
         warm_up_requests(llm, methods, routings, prompt_lengths, max_tokens, block_length)
 
 
