@@ -38,10 +38,10 @@ def test_report_per_method_and_shape():
 def test_no_kernel_variant_is_new_after_the_warm_up():
     """A scripted Elastic-Cache mix (the method that compiled most after ready on the H100; requests arriving
     together, dense and routed in one batch, prompt lengths the warm-up did not run) after `serve`'s warm-up for its
-    methods and routings: no launch of a variant key the warm-up did not
-    launch. The warm-up's synthetic passes stop at the tile classes this mix can reach (at most 28 rows a request:
-    row counts 1 and 32, the attention kernel's 16- and 32-row tiles; 1 and 4 requests a pass, which reach the
-    GEMM-and-epilogue path of passes over 64 rows)."""
+    methods and routings: no launch of a variant key the warm-up did not launch. The warm-up's synthetic passes
+    stop at the tile classes this mix can reach (at most 28 rows a request: row counts 1 and 32, the attention
+    kernel's 16- and 32-row tiles; 1 and 4 requests a pass, which reach the GEMM-and-epilogue path of passes over
+    64 rows)."""
     methods = ("elastic",)
     spec = MixSpec(num_requests=4, rate=1e6, prompt_lengths=(12, 20), max_tokens=(8,), methods=methods,
                    routings=(None, "chunk"), block_length=8, seed=0)

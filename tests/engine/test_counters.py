@@ -6,8 +6,8 @@ import os
 import pytest
 import torch
 
-from flash_dllm.engine.counters import (COUNTERS, Counters, ReadyMark, StepLog, Tally, install_compile_hooks, percentile,
-                                        step_ratios)
+from flash_dllm.engine.counters import (COUNTERS, Counters, ReadyMark, StepLog, Tally, install_compile_hooks,
+                                        percentile, step_ratios)
 
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="counts interpreted launches")
 

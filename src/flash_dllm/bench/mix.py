@@ -225,18 +225,17 @@ def run_offline(llm, spec: MixSpec, requests: list[MixRequest] | None = None) ->
 
 def warm_up(llm, spec: MixSpec, requests: bool = True, capture_after_ready: bool = False):
     """What `serve` does before ready (engine/warmup.py's `before_ready`), for the mix's methods, routings and
-    lengths, then no CUDA-graph captures. requests=False: as before issue 40, the KV cache and compile_kernels only.
+    lengths, then no CUDA-graph captures. requests=False: as before issue 40, the KV cache only (and with it, on
+    CUDA, compile_kernels' dense passes).
     capture_after_ready: graphs are still captured lazily during the mix (as before issue 40: the throughput
     that stopping the captures costs)."""
-    from ..engine.warmup import before_ready, compile_kernels
+    from ..engine.warmup import before_ready
 
     runner = llm.runner
     if requests:
         before_ready(llm, spec.methods, spec.routings, spec.prompt_lengths, spec.max_tokens, spec.block_length)
     else:
-        cache = runner.allocate_cache(with_hidden=True)
-        if runner.kernels:
-            compile_kernels(llm.model, cache, ordered=runner.batch_invariant)
+        runner.allocate_cache(with_hidden=True)
     if runner.graphs is not None and not capture_after_ready:
         runner.graphs.stop_capturing()
 

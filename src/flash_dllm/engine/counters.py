@@ -1,6 +1,7 @@
 """What a request may wait for besides its own work: kernel compiles, CUDA-graph captures, and long steps.
 
-Counted process-wide, in total and per kernel or graph key (a data-parallel replica is a process of its own, so its counts are its own):
+Counted process-wide, in total and per kernel or kind of graph (a data-parallel replica is a process of its own,
+so its counts are its own):
 - compiles: each new Triton kernel variant. On the GPU, each call of Triton's `JITFunction._do_compile` (a
   variant missing from the kernel's in-memory cache: compiled, or loaded from the disk cache), timed from the
   launch that found it missing to the launch's return (the launcher's build and the module's load included).

@@ -175,8 +175,8 @@ class GraphedCalls:
     def stop_capturing(self):
         """From now on the graphs held replay, and a key without one runs eagerly: no capture on a request's path
         (a server's, once ready). Under continuous batching a batch's tensors and shapes change at every arrival
-        and departure, so that most whole-step graphs would be captured for a few replays; at the batch sizes a
-        loaded server runs, the GPU's work hides the launches that eager steps add (benchmarks/RESULTS.md)."""
+        and departure, so that most whole-step graphs would be captured for a few replays. What the eager steps
+        cost in throughput is not measured yet (`bench mix --capture-after-ready` compares)."""
         self.capturing = False
 
     def _capture(self, fn, tensors: tuple[torch.Tensor, ...], run_first: bool) -> _CapturedCall:

@@ -101,16 +101,15 @@ def cached_passes(model, cache: KVCache, row_counts: tuple[int, ...], request_co
     if "dense" in parts:
         passes += [functools.partial(cached_pass, model, cache, rows, requests, kv, kind, ordered)
                    for rows, requests in shapes for kv in sorted({rows, max(rows, long_kv)}) for kind in PASS_KINDS]
+        for dtype in {torch.float32, cache.dtype}:  # the sampler's: full passes' fp32 logits, cached passes' own
+            passes.append(functools.partial(greedy_tokens, torch.zeros(1, model.config.vocab_size, dtype=dtype,
+                                                                       device=device), mask_id=0))
     if "routed" in parts:
         passes += [functools.partial(cached_pass, model, cache, rows, requests, long_kv, kind, ordered, "chunk")
                    for rows, requests in shapes if rows < long_kv for kind in PASS_KINDS]
         chunk_counts = [CHUNK << i for i in range(cache.num_rows.bit_length()) if CHUNK << i < cache.num_rows]
         passes += [functools.partial(cached_pass, model, cache, 1, 1, kv, "write", ordered, policy)
                    for kv in [*chunk_counts, cache.num_rows] if kv > 1 for policy in ROUTED_POLICIES]
-    if "dense" in parts:
-        for dtype in {torch.float32, cache.dtype}:  # the sampler's: full passes' fp32 logits, cached passes' own
-            passes.append(functools.partial(greedy_tokens, torch.zeros(1, model.config.vocab_size, dtype=dtype,
-                                                                       device=device), mask_id=0))
     return passes
 
 
@@ -299,7 +298,7 @@ def before_ready(llm, methods: tuple[str, ...] | None = None, routings: tuple[st
     runner = llm.runner
     cache = runner.allocate_cache(with_hidden=True)
     if runner.kernels:
-        compile_kernels(llm.model, cache, row_counts, request_counts, runner.batch_invariant, True)
+        compile_kernels(llm.model, cache, row_counts, request_counts, ordered=runner.batch_invariant, routed=True)
         warm_up_requests(llm, methods, routings, prompt_lengths, max_tokens, block_length)
 
 

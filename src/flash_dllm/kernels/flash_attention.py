@@ -199,8 +199,8 @@ def flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             _key_mass_kernel[grid](
                 q, k_cache, fp8.pointers[0], lse, partial, metadata.cu_seqlens_q, metadata.kv_start, metadata.kv_len,
                 hidden, track_rows, listed, listed_count, stride_tb, stride_th, q.stride(0), q.stride(1),
-                k_cache.stride(0), k_cache.stride(1), fp8.strides[0], lse.stride(0), hidden.stride(0), stride_hh, partial.stride(0),
-                partial.stride(1), D ** -0.5, D, kv_chunk, H, GROUP=group, HAS_HIDDEN=has_hidden,
+                k_cache.stride(0), k_cache.stride(1), fp8.strides[0], lse.stride(0), hidden.stride(0), stride_hh,
+                partial.stride(0), partial.stride(1), D ** -0.5, D, kv_chunk, H, GROUP=group, HAS_HIDDEN=has_hidden,
                 HAS_TILES=has_tiles, KV_FP8=fp8.on,
                 BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_D=block_d, DOT_FP32=dot_fp32,
                 num_warps=config["num_warps"], num_stages=config["num_stages"])
