@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 40's device runs (steady latency under mixed traffic), each step bounded in time and logged to $OUT
 # (PART picks which):
+#   PART=mix      the first step of PART=offline alone
 #   PART=offline  `bench mix` (random LLaDA-8B, bf16) after serve's warm-up (engine/warmup.before_ready): the mix of
 #                 every cached method, dense and chunk-routed, at 1 request/s; then one method and generation length
 #                 (flash-cache, 128 tokens; prompts 64-4k) at RATE, whose batch reaches 8-32, with no CUDA graph
@@ -32,12 +33,17 @@ serve_and_mix() {  # serve_and_mix NAME: start a server, time it to ready, run t
   grep -E "after_ready|step_seconds|start_up" "$OUT/${name}_metrics_end.txt"
   kill $pid; wait $pid 2> /dev/null
 }
-case "${PART:-offline}" in
-offline)
-  BENCH="python -m flash_dllm.cli bench mix"
-  SINGLE="--mix-methods flash-cache --mix-max-tokens 128 --mix-prompt-lengths 64 256 1024 4096"
-  TAIL=34 step mix_every_method 140 $BENCH --rate 1 --requests "${MIX_REQUESTS:-30}" --mix-prompt-lengths 64 1024 8192 \
+BENCH="python -m flash_dllm.cli bench mix"
+every_method() {
+  TAIL=40 step mix_every_method 140 $BENCH --rate 1 --requests "${MIX_REQUESTS:-30}" --mix-prompt-lengths 64 1024 8192 \
       --mix-max-tokens 32 128
+}
+case "${PART:-offline}" in
+mix)
+  every_method ;;
+offline)
+  SINGLE="--mix-methods flash-cache --mix-max-tokens 128 --mix-prompt-lengths 64 256 1024 4096"
+  every_method
   TAIL=12 step batched_no_captures 110 $BENCH $SINGLE --rate "${RATE:-8}" --requests "${REQUESTS:-150}"
   TAIL=12 step batched_lazy_captures 110 $BENCH $SINGLE --rate "${RATE:-8}" --requests "${REQUESTS:-150}" \
       --capture-after-ready

@@ -49,11 +49,11 @@ def test_decodes_held_out_multikey_items(llm):
 @pytest.mark.parametrize("task", ["arith", "trace"])
 def test_decodes_held_out_items_one_token_per_step(llm, task):
     """Dual-cache solves 96% of arith and of trace (200 items each, run 9, as run 7); here the reference decoder
-    on the first 8."""
-    items = load_test_set(task)[:8]
+    on the first 5 (128 one-token steps: CI time)."""
+    items = load_test_set(task)[:5]
     outs = llm.generate([item.prompt for item in items],
                         SamplingParams(method="reference", max_tokens=128, block_length=32))
-    assert sum(is_correct(item, out.text) for item, out in zip(items, outs)) >= 6
+    assert sum(is_correct(item, out.text) for item, out in zip(items, outs)) >= 4
     assert all(out.finish_reason == "stop" for out in outs)
 
 

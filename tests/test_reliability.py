@@ -157,8 +157,10 @@ def test_interrupt_keeps_finished_results_and_exits_with_one_line(gqa_checkpoint
     command = [sys.executable, "-m", "flash_dllm.cli", "generate", "--file", str(path), "--model",
                str(gqa_checkpoint), "--device", "cpu", "--batch-size", "1", "--method", "reference",
                "--max-tokens", "32", "--block-length", "8", "--json", "--no-progress"]
+    # SIG_DFL in the child: a pytest started in the background (`cmd &`) ignores SIGINT, which exec passes on
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lines = [process.stdout.readline() for _ in range(2)]
     process.send_signal(signal.SIGINT)
     rest, err = process.communicate(timeout=120)

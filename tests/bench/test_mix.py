@@ -8,6 +8,7 @@ import pytest
 from flash_dllm import LLM
 from flash_dllm.bench.mix import (MixAnswer, MixResult, MixSpec, format_report, metric_sums, mix_requests,
                                   run_offline, worst_shape_ratio)
+from flash_dllm.engine.counters import StepShape
 from flash_dllm.engine.warmup import before_ready
 
 
@@ -31,6 +32,12 @@ def test_report_per_method_and_shape():
     row = MixResult(answers, wall_s=4.0).group_rows()[0]
     assert row[:4] == ("flash-cache", "dense", 4, 0) and row[7:] == ("1.000", "2.000", "2.000", "2.00")
     assert "| 4 | 0 | 4.0 | 1.00 | 32.0 | 0 |" in format_report(MixResult(answers, wall_s=4.0))
+    prefill, steady = StepShape("flash-cache", 2, True), StepShape("flash-cache", 2, False)
+    steps = [(0.5, prefill), (0.010, steady), (0.010, steady), (0.030, steady)]
+    report = format_report(MixResult(answers, wall_s=4.0, steps=steps))
+    assert "| 0 | 0.00 | 0 | 0.00 | 3.00 |" in report  # the worst steady step: 3x its shape's median, not the prefill
+    assert "| flash-cache | 2 | True | 1 | 500.0 | 1.00 |" in report
+    assert "| flash-cache | 2 | False | 3 | 10.0 | 3.00 |" in report
     assert metric_sums('# HELP x y\nx{replica="0"} 1\nx{replica="1"} 2.5\nz 3\n') == {"x": 3.5, "z": 3.0}
 
 
@@ -47,7 +54,8 @@ def test_no_kernel_variant_is_new_after_the_warm_up():
                    routings=(None, "chunk"), block_length=8, seed=0)
     requests = mix_requests(spec, vocab_size=320)
     assert {r.kv_routing for r in requests} == {None, "chunk"} and {r.method for r in requests} == set(methods)
-    llm = LLM(device="cpu", dtype="float32", kernels=True, max_batch_size=8, kv_cache_bytes=1 << 22)
+    llm = LLM("random:llada-tiny", device="cpu", dtype="float32", kernels=True, max_batch_size=8,
+              kv_cache_bytes=1 << 22)
     before_ready(llm, methods, spec.routings, prompt_lengths=(16,), max_tokens=(8,), block_length=8,
                  row_counts=(1, 32), request_counts=(1, 4))
     result = run_offline(llm, spec, requests)

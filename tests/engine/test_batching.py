@@ -68,19 +68,38 @@ def test_requests_added_while_running(llm):
         assert seq.output_ids == llm.generate([prompt], params)[0].token_ids
 
 
-def test_scheduler_drains_before_switching_keys():
+def test_scheduler_admits_in_arrival_order_up_to_the_batch_size():
     a, b = SamplingParams(max_tokens=32), SamplingParams(max_tokens=64)
-    scheduler = Scheduler(max_batch_size=2)
+    scheduler = Scheduler(max_batch_size=3)
     seqs = [Sequence(i, [1], p) for i, p in enumerate([a, b, a, a])]
     for seq in seqs:
         scheduler.add(seq)
     admit_all = lambda seq: True
-    assert scheduler.admit([], admit_all) == [seqs[0], seqs[2]]      # the oldest key, up to the batch size
-    assert scheduler.admit([seqs[0]], admit_all) == []               # the oldest waiting (b) has another key
-    assert scheduler.admit([], admit_all) == [seqs[1]]               # so the batch drains, then b runs
-    assert scheduler.admit([seqs[1]], admit_all) == []
-    assert scheduler.admit([], lambda seq: False) == []              # no cache rows for it yet
-    assert scheduler.admit([], admit_all) == [seqs[3]]
+    assert scheduler.admit(0, admit_all) == seqs[:3]                 # any key, oldest first, up to the rows
+    assert scheduler.admit(3, admit_all) == []
+    assert scheduler.admit(2, lambda seq: False) == []               # no cache rows for the oldest yet: none
+    assert scheduler.admit(2, admit_all) == [seqs[3]]
+
+
+def test_batches_of_different_keys_step_in_turn(llm):
+    """A request of another key starts at once beside a running batch (not after its queue drains), the two
+    batches alternate steps, and each request decodes as if alone."""
+    common = SamplingParams(method="parallel", max_tokens=32, block_length=8, threshold=0.8)
+    rare = SamplingParams(method="reference", max_tokens=16, block_length=8, steps=8)
+    engine = llm.engine
+    first = engine.add_request(llm.encode(PROMPTS[0]), common)
+    other = engine.add_request(llm.encode(PROMPTS[3]), rare)
+    later = [engine.add_request(llm.encode(prompt), common) for prompt in PROMPTS[1:3]]
+    stepped = []
+    while engine.has_unfinished():
+        engine.step()
+        stepped.append(engine.batch.params.method)
+    assert stepped[:4] == ["parallel", "reference"] * 2
+    assert other.start_time < first.finish_time  # it did not wait for the common batch to drain
+    assert max(seq.start_time for seq in later) > min(first.finish_time, other.finish_time)  # max_batch_size 2
+    for seq, prompt, params in [(first, PROMPTS[0], common), (other, PROMPTS[3], rare),
+                                *zip(later, PROMPTS[1:3], [common] * 2)]:
+        assert seq.output_ids == llm.generate([prompt], params)[0].token_ids
 
 
 def test_step_without_requests_does_nothing(llm):

@@ -6,8 +6,8 @@ import os
 import pytest
 import torch
 
-from flash_dllm.engine.counters import (COUNTERS, Counters, ReadyMark, StepLog, Tally, install_compile_hooks,
-                                        percentile, step_ratios)
+from flash_dllm.engine.counters import (COUNTERS, Counters, ReadyMark, StepLog, StepShape, Tally,
+                                        install_compile_hooks, percentile, step_ratios)
 
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="counts interpreted launches")
 
@@ -33,14 +33,19 @@ def test_ready_mark_counts_what_follows_it():
     assert mark.after_by_name() == {("compiles", "a"): Tally(2, 1.0), ("captures", "b"): Tally(1, 0.5)}
 
 
-def test_longest_step_is_measured_against_its_batch_size():
+def test_a_step_is_measured_against_the_median_of_its_shape():
     log = StepLog(window_s=60)
-    for seconds, batch in [(0.010, 8), (0.012, 8), (0.011, 8), (0.050, 32), (0.040, 32), (0.045, 32)]:
-        log.record(seconds, batch, now=100.0)
-    assert log.longest(now=100.0) == (0.050, pytest.approx(0.050 / 0.045))
-    log.record(0.033, 8, now=100.0)  # 3x the median of batch 8, though shorter than batch 32's steps
-    assert log.longest(now=100.0)[1] == pytest.approx(0.050 / 0.045)
-    assert step_ratios([(s, b) for _, s, b in log.steps])[8] == (4, 0.0115, pytest.approx(0.033 / 0.0115))
+    small, large, other = StepShape("flash-cache", 8, False), StepShape("flash-cache", 32, False), \
+        StepShape("elastic", 8, False)
+    for seconds, shape in [(0.010, small), (0.012, small), (0.011, small), (0.050, large), (0.040, large),
+                           (0.045, large), (0.030, other), (0.030, other)]:
+        log.record(seconds, shape, now=100.0)
+    assert log.longest(now=100.0) == (0.050, pytest.approx(0.050 / 0.045))  # elastic's steps are not flash-cache's
+    log.record(0.033, small, now=100.0)  # 3x the median of its shape, though shorter than batch 32's steps
+    assert log.longest(now=100.0) == (0.050, pytest.approx(0.033 / 0.0115))
+    log.record(0.500, StepShape("flash-cache", 8, True), now=100.0)  # a prefill: the longest, but not steady
+    assert log.longest(now=100.0) == (0.500, pytest.approx(0.033 / 0.0115))
+    assert step_ratios([(s, shape) for _, s, shape in log.steps])[small] == (4, 0.0115, pytest.approx(0.033 / 0.0115))
     assert log.longest(now=200.0) == (0.0, 0.0)  # a minute later: none
 
 

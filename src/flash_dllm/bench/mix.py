@@ -4,8 +4,9 @@ process, against a server (`flash-dllm bench serve --mix`) or offline through th
 Each request's time to its first streamed chunk (TTFT) and to its end, both from its arrival; p50/p90/p99 of
 both per method and routing; for requests of equal shape (method, routing, prompt and generation length) the
 worst p99/p50 of end-to-end latency; the kernel compiles and CUDA-graph captures after ready and their time
-(engine/counters.py: from /metrics before and after, or in process); the steps' times by batch size (offline: each
-step; server: the longest step of each minute over its batch size's median, from /metrics while the mix runs).
+(engine/counters.py: from /metrics before and after, or in process); the steps' times per method, batch size and
+whether a row ran its first pass (offline: each step; server: the worst steady step of each minute over its
+shape's median, from /metrics while the mix runs).
 
 Prompts are random token ids (a seeded stream per request); answers are not checked (`bench serve` checks them).
 """
@@ -18,7 +19,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..engine.counters import ReadyMark, percentile, step_ratios
+from ..engine.counters import ReadyMark, StepShape, percentile, step_ratios
 
 DENSE = "dense"  # the routing label of requests without kv_routing
 
@@ -108,8 +109,8 @@ class MixResult:
     wall_s: float
     compiles: tuple[int, float] = (0, 0.0)   # after ready: (count, seconds)
     captures: tuple[int, float] = (0, 0.0)
-    steps: list[tuple[float, int]] = field(default_factory=list)  # offline: (seconds, batch size) of each step
-    longest_step: tuple[float, float] = (0.0, 0.0)  # (seconds, over its batch size's median)
+    steps: list[tuple[float, StepShape]] = field(default_factory=list)  # offline: each step's seconds and shape
+    longest_step: tuple[float, float] = (0.0, 0.0)  # (seconds, the worst steady step over its shape's median)
     # offline: the compiles and captures after ready per (kind, kernel or graph key)
     after_ready: dict = field(default_factory=dict)
 
@@ -133,8 +134,8 @@ class MixResult:
 
     def summary_row(self) -> tuple:
         tokens = sum(a.tokens for a in self.ok)
-        steps = step_ratios(self.steps)
-        worst = max((ratio for _, _, ratio in steps.values()), default=self.longest_step[1])
+        steady = [ratio for shape, (_, _, ratio) in step_ratios(self.steps).items() if not shape.first_pass]
+        worst = max(steady, default=self.longest_step[1])
         return (len(self.answers), len(self.answers) - len(self.ok), f"{self.wall_s:.1f}",
                 f"{len(self.ok) / self.wall_s:.2f}", f"{tokens / self.wall_s:.1f}", self.compiles[0],
                 f"{self.compiles[1]:.2f}", self.captures[0], f"{self.captures[1]:.2f}", f"{worst:.2f}")
@@ -143,8 +144,8 @@ class MixResult:
 GROUP_HEADER = ("method", "routing", "requests", "errors", "TTFT p50 s", "TTFT p90 s", "TTFT p99 s", "e2e p50 s",
                 "e2e p90 s", "e2e p99 s", "worst shape p99/p50")
 SUMMARY_HEADER = ("requests", "errors", "wall s", "requests/s", "tokens/s", "compiles after ready", "compile s",
-                  "captures after ready", "capture s", "longest step / median of its batch size")
-STEP_HEADER = ("batch size", "steps", "median step ms", "longest / median")
+                  "captures after ready", "capture s", "longest steady step / median of its shape")
+STEP_HEADER = ("method", "batch size", "first pass", "steps", "median step ms", "longest / median")
 
 
 def worst_shape_ratio(answers: list[MixAnswer]) -> float:
@@ -163,8 +164,8 @@ def format_report(result: MixResult) -> str:
     parts = [markdown_table(SUMMARY_HEADER, [result.summary_row()]), "", markdown_table(GROUP_HEADER,
                                                                                            result.group_rows())]
     if result.steps:
-        rows = [(batch, n, f"{median * 1e3:.1f}", f"{ratio:.2f}")
-                for batch, (n, median, ratio) in step_ratios(result.steps).items()]
+        rows = [(*shape, n, f"{median * 1e3:.1f}", f"{ratio:.2f}")
+                for shape, (n, median, ratio) in step_ratios(result.steps).items()]
         parts += ["", markdown_table(STEP_HEADER, rows)]
     if result.after_ready:
         parts += ["", "after ready: " + "; ".join(f"{kind[:-1]} {name} x{t.count} {t.seconds:.3f} s"
@@ -205,7 +206,7 @@ def run_offline(llm, spec: MixSpec, requests: list[MixRequest] | None = None) ->
         began = time.perf_counter()
         finished = engine.step()
         ended = time.perf_counter()
-        steps.append((ended - began, len(engine.running)))
+        steps.append((ended - began, engine.last_step))
         at = ended - start
         for seq in engine.running:
             if seq in live and live[seq][1] is None and seq.final_length > 0:

@@ -12,7 +12,7 @@ so its counts are its own):
 - captures: each CUDA graph captured (engine/cuda_graphs.py), with its host time (its eager first run
   included where the capture runs one).
 `ReadyMark` takes a baseline when a server (or a benchmark) reports ready: what is counted after it happened on
-a request's path. `StepLog` keeps the engine's steps of the last minute (their time and batch size).
+a request's path. `StepLog` keeps the engine's steps of the last minute (their time and `StepShape`).
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ import statistics
 import threading
 import time
 from collections import deque
+from typing import NamedTuple
 
 log = logging.getLogger("flash_dllm.counters")
 KINDS = ("compiles", "captures")
@@ -99,43 +100,51 @@ class ReadyMark:
         return dict(sorted(((k, t) for k, t in delta.items() if t.count), key=lambda kt: -kt[1].seconds))
 
 
+class StepShape(NamedTuple):
+    """What an engine step's time is compared within: its method and batch size, and whether some row ran its
+    first (full) pass, a prompt-length prefill that takes longer than the steady steps it precedes."""
+
+    method: str
+    batch_size: int
+    first_pass: bool
+
+
 class StepLog:
-    """The engine's steps of the last `window_s` seconds: (end time, seconds, batch size)."""
+    """The engine's steps of the last `window_s` seconds: (end time, seconds, shape)."""
 
     def __init__(self, window_s: float = 60.0):
         self.window_s = window_s
-        self.steps: deque[tuple[float, float, int]] = deque()
+        self.steps: deque[tuple[float, float, StepShape]] = deque()
         self._lock = threading.Lock()  # the engine's thread records, /metrics reads
 
-    def record(self, seconds: float, batch_size: int, now: float | None = None):
+    def record(self, seconds: float, shape: StepShape, now: float | None = None):
         now = time.perf_counter() if now is None else now
         with self._lock:
-            self.steps.append((now, seconds, batch_size))
+            self.steps.append((now, seconds, shape))
             while self.steps and now - self.steps[0][0] > self.window_s:
                 self.steps.popleft()
 
     def longest(self, now: float | None = None) -> tuple[float, float]:
-        """(seconds of the longest step of the window, its ratio to the median step of its batch size there);
-        (0, 0) without steps."""
+        """(seconds of the longest step of the window, the largest ratio of a steady step (no first pass) to the
+        median of its shape there); (0, 0) without steps."""
         now = time.perf_counter() if now is None else now
         with self._lock:
-            steps = [s for s in self.steps if now - s[0] <= self.window_s]
+            steps = [(seconds, shape) for end, seconds, shape in self.steps if now - end <= self.window_s]
         if not steps:
             return 0.0, 0.0
-        _, seconds, batch = max(steps, key=lambda s: s[1])
-        median = statistics.median(s for _, s, b in steps if b == batch)
-        return seconds, seconds / median if median > 0 else 0.0
+        ratios = [ratio for shape, (_, _, ratio) in step_ratios(steps).items() if not shape.first_pass]
+        return max(seconds for seconds, _ in steps), max(ratios, default=0.0)
 
 
-def step_ratios(steps: list[tuple[float, int]]) -> dict[int, tuple[int, float, float]]:
-    """steps: (seconds, batch size) -> per batch size: (steps, median seconds, longest over median)."""
-    by_batch: dict[int, list[float]] = {}
-    for seconds, batch in steps:
-        by_batch.setdefault(batch, []).append(seconds)
+def step_ratios(steps: list[tuple[float, StepShape]]) -> dict[StepShape, tuple[int, float, float]]:
+    """steps: (seconds, shape) -> per shape, in order: (steps, median seconds, longest over median)."""
+    by_shape: dict[StepShape, list[float]] = {}
+    for seconds, shape in steps:
+        by_shape.setdefault(shape, []).append(seconds)
     out = {}
-    for batch, times in sorted(by_batch.items()):
+    for shape, times in sorted(by_shape.items()):
         median = statistics.median(times)
-        out[batch] = (len(times), median, max(times) / median if median > 0 else 0.0)
+        out[shape] = (len(times), median, max(times) / median if median > 0 else 0.0)
     return out
 
 

@@ -175,8 +175,10 @@ class GraphedCalls:
     def stop_capturing(self):
         """From now on the graphs held replay, and a key without one runs eagerly: no capture on a request's path
         (a server's, once ready). Under continuous batching a batch's tensors and shapes change at every arrival
-        and departure, so that most whole-step graphs would be captured for a few replays. What the eager steps
-        cost in throughput is not measured yet (`bench mix --capture-after-ready` compares)."""
+        and departure, so that most whole-step graphs would be captured for a few replays. Measured (H100, random
+        LLaDA-8B, Flash-Cache, `bench mix --capture-after-ready` against none): at batch 11-26 the throughput is
+        within 0.5%; one request at a time its steps take 2.3x as long (20.2 against 8.6 ms), until whole steps
+        replay from batch buffers shared across requests (benchmarks/RESULTS.md, 2026-12-06)."""
         self.capturing = False
 
     def _capture(self, fn, tensors: tuple[torch.Tensor, ...], run_first: bool) -> _CapturedCall:

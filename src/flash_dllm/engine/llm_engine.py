@@ -1,14 +1,18 @@
-"""The engine: requests in, decoding steps over one running batch, finished sequences out.
+"""The engine: requests in, decoding steps over the running batches, finished sequences out.
 
-Requests may be added at any time; each `step()` first admits waiting requests into free rows, runs one
-iteration of the batch's decoding method for every row and retires the rows that finished. The KV cache of
-the cached methods is allocated by the model runner at the first request that needs it (on the GPU the
-Triton kernels are compiled then, before any request is timed); the engine hands out its rows.
+Requests may be added at any time; each `step()` first admits waiting requests (engine/scheduler.py), each into
+the running batch of its `batch_key`, then runs one iteration of one batch's decoding method for every row and
+retires the rows that finished. The batches step in turn: under a mix of methods and lengths a request of a
+rare key advances at once instead of waiting for the common key's queue to drain. The KV cache of the cached
+methods is allocated by the model runner at the first request that needs it (on the GPU the Triton kernels are
+compiled then, before any request is timed); the engine hands out its rows, shared by all batches.
 """
 from __future__ import annotations
 
 import itertools
 import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,9 +21,23 @@ from ..cache import CacheAllocator
 from ..decoding.registry import METHODS, method_of
 from ..sampling_params import SamplingParams
 from ..tokenizer import SpecialTokens
+from .counters import StepShape
 from .model_runner import ModelRunner
 from .scheduler import Scheduler
 from .sequence import Sequence, SequenceStatus
+
+
+@dataclass(eq=False)
+class RunningBatch:
+    """The running requests of one batch_key: the rows of its batch, and those admitted since it last stepped."""
+
+    running: list[Sequence] = field(default_factory=list)  # the batch's sequences, row by row
+    joining: list[Sequence] = field(default_factory=list)  # admitted, in the batch from its next step
+    batch: DecodeBatch | None = None
+
+    @property
+    def has_work(self) -> bool:
+        return any(not seq.is_finished for seq in (*self.running, *self.joining))
 
 
 class LLMEngine:
@@ -28,8 +46,9 @@ class LLMEngine:
         self.special = special
         self.device = runner.device
         self.scheduler = Scheduler(max_batch_size)
-        self.running: list[Sequence] = []  # the batch's sequences, row by row
-        self.batch: DecodeBatch | None = None
+        self.batches: OrderedDict[tuple, RunningBatch] = OrderedDict()  # by batch_key, the next to step first
+        self.current: RunningBatch | None = None  # the one that stepped last
+        self.last_step: StepShape | None = None   # its method, rows and whether one ran its first pass
         self.allocator: CacheAllocator | None = None
         self.stop_ids = torch.tensor(special.stop_ids, device=self.device)
         self._request_ids = itertools.count()
@@ -58,6 +77,16 @@ class LLMEngine:
                 raise ValueError(f"a sequence of {length} tokens can never fit in a KV cache of "
                                  f"{self.allocator.num_rows} tokens; raise kv_cache_bytes or shorten the request")
 
+    @property
+    def running(self) -> list[Sequence]:
+        """Every admitted sequence of every running batch (finished ones until their batch next steps)."""
+        return [seq for group in self.batches.values() for seq in (*group.running, *group.joining)]
+
+    @property
+    def batch(self) -> DecodeBatch | None:
+        """The batch that stepped last."""
+        return None if self.current is None else self.current.batch
+
     def abort(self, seqs: list[Sequence]):
         """Drop unfinished requests, waiting or running, and free their cache rows."""
         for seq in seqs:
@@ -72,14 +101,18 @@ class LLMEngine:
     def final_prefixes(self, seqs: list[Sequence]) -> list[tuple[list[int], int, int]]:
         """(final prefix, steps, nfe) of running sequences: the prefix is the generated tokens up to the first
         mask or eos/eot (a decoded token never changes, so these are the first tokens of the output). One
-        transfer for all of them."""
-        if not seqs:
-            return []
-        batch = self.batch
-        rows = torch.tensor([self.running.index(seq) for seq in seqs], device=self.device)
-        counters = torch.stack([batch.counters.steps[rows], batch.counters.nfe[rows]], dim=1)
-        host = torch.cat([batch.tokens[rows, batch.gen_start:], counters], dim=1).tolist()
-        return [(row[:seq.final_length], row[-2], row[-1]) for row, seq in zip(host, seqs)]
+        transfer per running batch that holds some; a sequence in none (not yet in a batch) has none."""
+        found, asked = {}, set(seqs)
+        for group in self.batches.values():
+            wanted = [(index, seq) for index, seq in enumerate(group.running) if seq in asked]
+            if not wanted:
+                continue
+            batch = group.batch
+            rows = torch.tensor([index for index, _ in wanted], device=self.device)
+            counters = torch.stack([batch.counters.steps[rows], batch.counters.nfe[rows]], dim=1)
+            host = torch.cat([batch.tokens[rows, batch.gen_start:], counters], dim=1).tolist()
+            found.update({seq: (row[:seq.final_length], row[-2], row[-1]) for row, (_, seq) in zip(host, wanted)})
+        return [found.get(seq, ([], 0, 0)) for seq in seqs]
 
     def _reserve(self, seq: Sequence) -> bool:
         if not method_of(seq.params.method).uses_cache:
@@ -88,38 +121,60 @@ class LLMEngine:
         return seq.cache_base is not None
 
     def has_unfinished(self) -> bool:
-        return any(not seq.is_finished for seq in self.running) or bool(self.scheduler.waiting)
+        return any(group.has_work for group in self.batches.values()) or bool(self.scheduler.waiting)
 
     @torch.inference_mode()
     def step(self) -> list[Sequence]:
-        """Run one iteration over the running batch; return the sequences that finished in it. A method whose
-        step is replayable runs it, with the finish test, from a CUDA graph while the batch and its plan repeat
-        (the graph reads and writes the batch's tensors where they are; a new batch gets new graphs)."""
-        self._refresh_batch()
-        if self.batch is None:
+        """Admit waiting requests, run one iteration over the running batch whose turn it is and return the
+        sequences that finished in it. A method whose step is replayable runs it, with the finish test, from a
+        CUDA graph while the batch and its plan repeat (the graph reads and writes the batch's tensors where they
+        are; a new batch gets new graphs)."""
+        self._admit()
+        self.current = group = self._next_turn()
+        if group is None:
             return []
-        method, runner, batch = method_of(self.batch.params.method), self.runner, self.batch
+        self._refresh_batch(group)
+        method, runner, batch = method_of(group.batch.params.method), self.runner, group.batch
+        self.last_step = StepShape(method.name, len(batch.rows), any(row.is_first_pass for row in batch.rows))
         if not method.replayable:
             method.step(runner, batch)
-            return self._collect_finished(*self._finish_state())
+            return self._collect_finished(group, *self._finish_state(batch))
         plan = method.plan(runner, batch)
 
         def whole_step():
             method.run(runner, batch, plan)
-            return self._finish_state()
+            return self._finish_state(batch)
         if runner.uses_graphs(plan.rows):
-            return self._collect_finished(*runner.graphs.run(("step", batch.number, method.name, plan),
-                                                             whole_step))
-        return self._collect_finished(*whole_step())
+            return self._collect_finished(group, *runner.graphs.run(("step", batch.number, method.name, plan),
+                                                                    whole_step))
+        return self._collect_finished(group, *whole_step())
 
-    def _refresh_batch(self):
-        """Drop the rows that finished last step and admit waiting requests; rebuild only on a change."""
-        running = [seq for seq in self.running if not seq.is_finished]
-        admitted = self.scheduler.admit(running, self._reserve)
-        if self.batch is not None and len(running) == len(self.running) and not admitted:
+    def _admit(self):
+        """Waiting requests into their key's running batch (a new one goes last in the turns)."""
+        num_running = sum(not seq.is_finished for seq in self.running)
+        for seq in self.scheduler.admit(num_running, self._reserve):
+            self.batches.setdefault(seq.params.batch_key(), RunningBatch()).joining.append(seq)
+
+    def _next_turn(self) -> RunningBatch | None:
+        """The running batch that steps now, moved to the back of the turns; batches left without work go."""
+        for key in list(self.batches):
+            group = self.batches[key]
+            if group.has_work:
+                self.batches.move_to_end(key)
+                return group
+            del self.batches[key]
+        return None
+
+    def _refresh_batch(self, group: RunningBatch):
+        """Drop the rows that finished since the batch last stepped and add the joining ones; rebuild only on a
+        change."""
+        running = [seq for seq in group.running if not seq.is_finished]
+        admitted = [seq for seq in group.joining if not seq.is_finished]  # an abort may have finished one
+        group.joining = []
+        if group.batch is not None and len(running) == len(group.running) and not admitted:
             return
-        if self.batch is not None:
-            self.batch.unpack(keep=[not seq.is_finished for seq in self.running])
+        if group.batch is not None:
+            group.batch.unpack(keep=[not seq.is_finished for seq in group.running])
         for seq in admitted:
             method = method_of(seq.params.method)
             prompt = torch.tensor(seq.prompt_ids, dtype=torch.long, device=self.device)
@@ -129,16 +184,16 @@ class LLMEngine:
                                state=method.initial_state(seq.length, self.device), cache_base=seq.cache_base)
             seq.status = SequenceStatus.RUNNING
             seq.start_time = time.perf_counter()
-        self.running = running + admitted
+        group.running = running + admitted
         number = next(self.runner.batch_numbers)  # counted by the runner: engines may share one
-        self.batch = (DecodeBatch.build([seq.row for seq in self.running], self.special.mask_id, self.stop_ids,
-                                        self.special.pad_id, number) if self.running else None)
+        group.batch = DecodeBatch.build([seq.row for seq in group.running], self.special.mask_id, self.stop_ids,
+                                        self.special.pad_id, number)
 
-    def _finish_state(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _finish_state(self, batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """On the device, after a step: [4 or 5, B] (finished, block index, step in block, final length, and the
         next query rows where the method sets them) and each row's first eos/eot [B]. A row is finished when
         every position up to its first eos/eot is decoded, or all are."""
-        batch, counters = self.batch, self.batch.counters
+        counters = batch.counters
         generated = batch.tokens[:, batch.gen_start:]
         length = generated.shape[1]
         index = torch.arange(length, device=self.device)
@@ -150,12 +205,13 @@ class LLMEngine:
             host.append(batch.next_query_rows)
         return torch.stack(host), first_stop
 
-    def _collect_finished(self, finish_state: torch.Tensor, first_stop: torch.Tensor) -> list[Sequence]:
-        batch, counters = self.batch, self.batch.counters
+    def _collect_finished(self, group: RunningBatch, finish_state: torch.Tensor,
+                          first_stop: torch.Tensor) -> list[Sequence]:
+        batch, counters = group.batch, group.batch.counters
         generated = batch.tokens[:, batch.gen_start:]
         length = generated.shape[1]
         state = finish_state.tolist()  # the one sync
-        for seq, row, block_index, step_in_block, final in zip(self.running, batch.rows, *state[1:4]):
+        for seq, row, block_index, step_in_block, final in zip(group.running, batch.rows, *state[1:4]):
             row.block_index, row.step_in_block = block_index, step_in_block
             seq.final_length = final
         if batch.next_query_rows is not None:
@@ -167,10 +223,10 @@ class LLMEngine:
         finals = torch.stack([first_stop, counters.steps, counters.nfe, counters.prompt_keys_read,
                               counters.prompt_keys_dense])[:, done].tolist()
         for index, stop, num_steps, num_fwd, keys_read, keys_dense in zip(done, *finals):
-            seq = self.running[index]
+            seq = group.running[index]
             if seq.cache_base is not None:
                 self.allocator.release(seq.cache_base, seq.length)
             routed = seq.params.kv_routing is not None and keys_dense > 0
             seq.finish(generated[index, :stop].tolist(), "stop" if stop < length else "length", num_steps, num_fwd,
                        keys_read / keys_dense if routed else None)
-        return [self.running[index] for index in done]
+        return [group.running[index] for index in done]

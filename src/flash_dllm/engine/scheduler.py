@@ -1,9 +1,9 @@
-"""Admission: which waiting requests join the running batch.
+"""Admission: which waiting requests start running.
 
-A batch holds requests with equal `SamplingParams.batch_key()`. New requests of the running batch's key
-join as rows free up, but only while the oldest waiting request has that key too; otherwise the batch
-drains and the oldest request's key runs next, so no request waits forever. A request that needs KV
-cache rows is admitted only when `reserve` finds them; admission stops at the first that does not fit.
+Requests join in arrival order while fewer than `max_batch_size` rows run, each into the batch of its
+`SamplingParams.batch_key()` (requests of different keys cannot share one: another method, generation length or
+block length). Admission stops at the first request whose KV cache rows `reserve` cannot find, so that no later
+request overtakes it forever. The engine steps the running batches in turn (engine/llm_engine.py).
 """
 from __future__ import annotations
 
@@ -23,17 +23,9 @@ class Scheduler:
     def add(self, seq: Sequence):
         self.waiting.append(seq)
 
-    def admit(self, running: list[Sequence], reserve: Callable[[Sequence], bool]) -> list[Sequence]:
-        if not self.waiting:
-            return []
-        key = (running[0] if running else self.waiting[0]).params.batch_key()
-        free = self.max_batch_size - len(running)
-        if free <= 0 or self.waiting[0].params.batch_key() != key:
-            return []
+    def admit(self, num_running: int, reserve: Callable[[Sequence], bool]) -> list[Sequence]:
+        """The oldest waiting requests that fit beside `num_running` rows and get their cache rows."""
         admitted = []
-        for seq in [seq for seq in self.waiting if seq.params.batch_key() == key][:free]:
-            if not reserve(seq):
-                break
-            self.waiting.remove(seq)
-            admitted.append(seq)
+        while self.waiting and num_running + len(admitted) < self.max_batch_size and reserve(self.waiting[0]):
+            admitted.append(self.waiting.popleft())
         return admitted

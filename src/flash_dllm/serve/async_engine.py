@@ -241,7 +241,7 @@ class AsyncEngine:
             try:
                 start = time.perf_counter()
                 finished = self.engine.step()
-                self.step_log.record(time.perf_counter() - start, len(self.engine.running))
+                self.step_log.record(time.perf_counter() - start, self.engine.last_step)
                 streaming = [(seq, *self._active[seq]) for seq in self.engine.running
                              if not seq.is_finished and seq in self._active and self._active[seq][0].stream]
                 self._post_prefixes(streaming)
