@@ -2,6 +2,9 @@
 # Issue 40's device runs (steady latency under mixed traffic), each step bounded in time and logged to $OUT
 # (PART picks which):
 #   PART=mix      the first step of PART=offline alone
+#   PART=alone    its last two steps alone
+#   PART=probe    issue 40's table: each method's first call of a new batch shape after the warm-up, against its
+#                 repeat (benchmarks/first_call_probe.py)
 #   PART=offline  `bench mix` (random LLaDA-8B, bf16) after serve's warm-up (engine/warmup.before_ready): the mix of
 #                 every cached method, dense and chunk-routed, at 1 request/s; then one method and generation length
 #                 (flash-cache, 128 tokens; prompts 64-4k) at RATE, whose batch reaches 8-32, with no CUDA graph
@@ -12,7 +15,7 @@
 #   PART=cold     the same start-up with an empty Triton cache (TRITON_CACHE_DIR fresh): the <= 60 s budget
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export PYTHONPATH=$PWD/src
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}  # carried wheels (serve) stay on the path
 source "$(dirname "$0")/steps.sh"
 FILTER="grep -v variant/s"
 MIX="--rate ${RATE:-3} --requests ${REQUESTS:-300} --mix-prompt-lengths 64 256 1024 4096 8192 --mix-max-tokens 32 128 512"
@@ -35,20 +38,27 @@ serve_and_mix() {  # serve_and_mix NAME: start a server, time it to ready, run t
 }
 BENCH="python -m flash_dllm.cli bench mix"
 every_method() {
-  TAIL=40 step mix_every_method 140 $BENCH --rate 1 --requests "${MIX_REQUESTS:-30}" --mix-prompt-lengths 64 1024 8192 \
+  TAIL=40 step mix_every_method 240 $BENCH --rate 1 --requests "${MIX_REQUESTS:-30}" --mix-prompt-lengths 64 1024 8192 \
       --mix-max-tokens 32 128
+}
+SINGLE="--mix-methods flash-cache --mix-max-tokens 128 --mix-prompt-lengths 64 256 1024 4096"
+alone() {  # one request at a time: the cost of eager steps, where only passes replay
+  TAIL=14 step alone_no_captures 90 $BENCH $SINGLE --rate 0.3 --requests 8
+  TAIL=14 step alone_lazy_captures 90 $BENCH $SINGLE --rate 0.3 --requests 8 --capture-after-ready
 }
 case "${PART:-offline}" in
 mix)
   every_method ;;
+probe)
+  TAIL=40 step first_call_probe "${PROBE_S:-300}" python benchmarks/first_call_probe.py ;;
 offline)
-  SINGLE="--mix-methods flash-cache --mix-max-tokens 128 --mix-prompt-lengths 64 256 1024 4096"
   every_method
   TAIL=12 step batched_no_captures 110 $BENCH $SINGLE --rate "${RATE:-8}" --requests "${REQUESTS:-150}"
   TAIL=12 step batched_lazy_captures 110 $BENCH $SINGLE --rate "${RATE:-8}" --requests "${REQUESTS:-150}" \
       --capture-after-ready
-  TAIL=12 step alone_no_captures 60 $BENCH $SINGLE --rate 0.3 --requests 8
-  TAIL=12 step alone_lazy_captures 60 $BENCH $SINGLE --rate 0.3 --requests 8 --capture-after-ready ;;
+  alone ;;
+alone)
+  alone ;;
 serve)
   serve_and_mix warm ;;
 cold)

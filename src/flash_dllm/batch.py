@@ -94,10 +94,6 @@ class DecodeBatch:
     def gen_start(self) -> int:
         return self.tokens.shape[1] - self.params.max_tokens
 
-    @property
-    def max_length(self) -> int:
-        return max(row.length for row in self.rows)
-
     def frozen_prompt(self, constant) -> torch.Tensor | None:
         """[B, W] bool: the prompt columns of the rows whose prompt KV is routed, frozen between full passes (no
         step recomputes them: cache/routing.py); None where no row routes (a dense batch's step does no work for

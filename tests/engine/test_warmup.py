@@ -6,11 +6,13 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 import torch
 
-from flash_dllm import LLM
+from flash_dllm import LLM, SamplingParams
 from flash_dllm.cache import KVCache
-from flash_dllm.engine.warmup import CompileProgress, compile_kernels
+from flash_dllm.engine.cuda_graphs import CudaGraphs
+from flash_dllm.engine.warmup import CompileProgress, capture_steady_passes, compile_kernels
 
 
 def test_compile_kernels_runs_every_pass_kind_once_per_model(gqa_checkpoint):
@@ -64,3 +66,34 @@ def test_variants_from_a_warm_cache_are_loaded_quietly(capsys):
         progress.update()
         progress.wait()
     assert capsys.readouterr().err == ""
+
+
+class RecordedGraphs(CudaGraphs):
+    """The graphs' keys as the runner asks for them, every call run eagerly (no CUDA graph on the CPU)."""
+
+    def __init__(self, runner):
+        super().__init__(runner._forward_cached, runner.device)
+        self.keys = set()
+
+    def run(self, key, fn, tensors=(), capture_after=None):
+        self.keys.add(key)
+        return fn(*tensors)
+
+
+@pytest.mark.parametrize("method", ["flash-cache", "dual-cache"])
+def test_a_requests_steady_passes_find_a_graph_captured_before_ready(method):
+    """Requests of lengths the warm-up never ran: every pass but their whole-sequence ones (a first pass, a block's
+    refresh) has the shape of one that `capture_steady_passes` captured, at one request a batch."""
+    llm = LLM("random:llada-tiny", device="cpu", dtype="float32", kernels=False, kv_cache_bytes=1 << 22)
+    runner = llm.runner
+    runner.allocate_cache(with_hidden=False)
+    runner.graphs = graphs = RecordedGraphs(runner)
+    assert capture_steady_passes(llm, (method, "elastic"), block_length=8) > 0  # elastic's rows vary: none
+    captured, graphs.keys = graphs.keys, set()
+    params = SamplingParams(method=method, max_tokens=24, block_length=8)
+    for prompt_length in (150, 333, 700):
+        llm.generate([[5 + i % 50 for i in range(prompt_length)]], params, use_tqdm=False)
+        passes = {key for key in graphs.keys if not isinstance(key[0], str)}  # not the whole steps'
+        assert {key[0] for key in passes - captured} == {prompt_length + 24}, prompt_length
+        assert passes & captured
+        graphs.keys = set()

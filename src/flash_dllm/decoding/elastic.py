@@ -245,7 +245,7 @@ def _leading_groups(m: AttentionMetadata, counts: list[int], groups: int) -> tup
 
 def _reuse_pass(runner: ModelRunner, batch: DecodeBatch, reuse: CachedPass, tracked: torch.Tensor, drift: bool):
     """Every layer over the query rows. Returns their final hidden states [N, d], the window's attention mass
-    per layer [L, B, W] (by position) and, with `drift`, the tracked rows' similarity per layer [L, B].
+    per layer [L, B, max_kv >= W] (by position) and, with `drift`, the tracked rows' similarity per layer [L, B].
     With CUDA graphs, the layers and the drift test (its inputs included) replay as one graph."""
     width, m = batch.tokens.shape[1], reuse.metadata
     tracked_rows = min(runner.model.config.num_layers * batch.params.settings.track_num, width) if drift else 0
@@ -284,7 +284,7 @@ def _reuse_layers(model, cache, kernels: bool, metadata: AttentionMetadata, widt
     metadata = dataclasses.replace(metadata, cu_seqlens_q=cu_seqlens_q, kv_start=kv_start, kv_len=kv_len,
                                    slot_mapping=slot_mapping, track_rows=track_rows)
     B, drift, device = kv_start.shape[0], tracked is not None, input_ids.device
-    key_mass = torch.zeros(len(layers), B, width, device=device)
+    key_mass = torch.zeros(len(layers), B, metadata.max_kv, device=device)  # by position: max_kv >= W keys
     rope = Rotary.at(positions, cfg)
     x = model.embed(input_ids)
     ordered, invariant = metadata.ordered, metadata.ordered and kernels  # invariant: the GPU's batch-invariant path

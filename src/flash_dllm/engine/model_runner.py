@@ -25,7 +25,7 @@ from ..decoding.base import check, check_type
 from ..models.base import DiffusionLM
 from ..models.loader import available_memory
 from ..models.quantization import Fp8Linear, check_options, kv_dtype_of
-from .cuda_graphs import MAX_GRAPH_ROWS, CudaGraphs
+from .cuda_graphs import MAX_GRAPH_ROWS, CudaGraphs, bucket
 from .warmup import compile_kernels
 
 
@@ -226,12 +226,19 @@ class ModelRunner:
         left neighbours that a shifted architecture's logits need, recomputed for their hidden states only)."""
         device, width = batch.tokens.device, batch.tokens.shape[1]
         rows = FlatRows.from_counts(counts, device, self.constant)
+        groups = list(range(len(counts))) if order is None else order  # each group's batch row
+        routed = any(batch.rows[b].params.kv_routing for b in groups)
         if order is None:
-            request, kv_start, kv_len, max_kv = rows.request, batch.cache_base, batch.lengths, batch.max_length
+            request, kv_start, kv_len = rows.request, batch.cache_base, batch.lengths
         else:
             order_t = self.constant(order)
             request, kv_start, kv_len = order_t[rows.request], batch.cache_base[order_t], batch.lengths[order_t]
-            max_kv = max(batch.rows[b].length for b in order)
+        # The keys' width, rounded up to a bucket of at most 1/8 more (not for a routed pass, whose chunk
+        # bookkeeping spans it): what a pass's launches and graph depend on is then shared by the requests of
+        # nearby lengths, so that a graph captured before ready serves them. Keys past a request's kv_len are
+        # never read, and its key-mass columns there stay 0.
+        max_kv = max(batch.rows[b].length for b in groups)
+        max_kv = max_kv if routed else bucket(max_kv)
         column = columns[rows.request, rows.rank]
         positions = column - (width - batch.lengths)[request]
         options = {}
@@ -241,8 +248,7 @@ class ModelRunner:
             hidden_keys = torch.zeros(len(counts), max_kv, dtype=torch.bool, device=device)
             hidden_keys[rows.request, positions] = torch.ones_like(positions, dtype=torch.bool)  # `= True`: a host copy
             options.update(write_cache=False, hidden_keys=hidden_keys, self_visibility=visibility)
-        groups = list(range(len(counts))) if order is None else order  # each group's batch row
-        if any(batch.rows[b].params.kv_routing for b in groups):
+        if routed:
             options["routing"] = self._routing(batch, groups, rows, positions, writes_cache=visibility is None)
         metadata = AttentionMetadata.build(rows, kv_start, kv_len, positions, max_kv, ordered=self.batch_invariant,
                                            **options)

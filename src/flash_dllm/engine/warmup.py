@@ -36,6 +36,7 @@ from ..cache.kv_cache import KVCache
 from ..cache.routing import CHUNK, PromptRouting
 from ..kernels.greedy_tokens import greedy_tokens
 from .counters import install_compile_hooks
+from .cuda_graphs import bucket
 
 install_compile_hooks()  # every compile from here on is counted (engine/counters.py), the warm-up's included
 
@@ -286,6 +287,78 @@ def warm_up_requests(llm, methods: tuple[str, ...] | None = None, routings: tupl
     return ran
 
 
+# After ready a request's steps run eagerly (no whole-step graph is captured then, and none captured before fits a
+# later batch: engine/cuda_graphs.py), but a pass replays any graph of its shape. The steady passes of the methods
+# whose query rows per request are fixed by their settings (Flash-Cache's budget, dual-cache's block) are captured
+# before ready for these batch sizes and every bucket of the keys' width (model_runner.prepare); a batch's other
+# passes (first passes, refreshes, other batch sizes or settings) run eagerly.
+STEADY_BATCH_SIZES = (1,)
+
+
+def steady_pass_rows(method: str, params, logit_shift: int) -> int | None:
+    """The query rows per request of a method's steady pass with these settings (None: they vary by step)."""
+    if method == "flash-cache":
+        return params.settings.mask_window + params.settings.tracking_budget
+    if method == "dual-cache":
+        return params.block_length + logit_shift
+    return None
+
+
+def key_widths(first: int, last: int) -> list[int]:
+    """The buckets of the keys' width (cuda_graphs.bucket) that lengths first..last reach, in order."""
+    widths, n = [], first
+    while n <= last:
+        widths.append(bucket(n))
+        n = widths[-1] + 1
+    return widths
+
+
+def capture_steady_passes(llm, methods: tuple[str, ...], block_length: int = 32,
+                          batch_sizes: tuple[int, ...] = STEADY_BATCH_SIZES) -> int:
+    """Capture the CUDA graphs of the steady passes of `methods` (those `steady_pass_rows` knows, with their
+    default settings and `block_length`) over `batch_sizes` requests, at every bucket of the keys' width that a
+    sequence the cache and the model hold reaches: each pass runs twice on a synthetic batch (a graph is captured at
+    its shape's second sighting). The batch's rows are the cache's first; what the passes write there, before ready,
+    no request reads. Returns how many shapes were captured."""
+    from ..batch import Counters, DecodeBatch, RowState
+    from ..sampling_params import SamplingParams
+
+    runner, special = llm.runner, llm.special
+    graphs, device = runner.graphs, runner.device
+    if graphs is None:
+        return 0
+    shapes = set()
+    for method in methods:
+        try:
+            params = SamplingParams(method=method, block_length=block_length)
+        except ValueError:
+            continue
+        rows = steady_pass_rows(method, params, runner.logit_shift)
+        if rows is None:
+            continue
+        for requests in batch_sizes:
+            longest = min(runner.cache.num_rows // requests, llm.config.max_position)
+            for width in key_widths(rows + 1, longest):
+                length = min(width, longest)  # a width past the longest sequence: the longest that reaches it
+                if bucket(length) != width:
+                    continue
+                tokens = torch.full((length,), special.mask_id, device=device)
+                batch = DecodeBatch.build(
+                    [RowState(params, 1, tokens, Counters.zeros(device), None, cache_base=b * length)
+                     for b in range(requests)], special.mask_id, torch.tensor(special.stop_ids, device=device),
+                    special.pad_id)
+                columns = (length - rows + torch.arange(rows, device=device)).expand(requests, rows)
+                tracked = method == "flash-cache"
+                p = runner.prepare(batch, [rows] * requests, columns,
+                                   track=torch.zeros_like(batch.tokens, dtype=torch.bool) if tracked else None,
+                                   kept=None if tracked else [runner.logit_shift] * requests)
+                for _ in range(2):
+                    runner.run(p, torch.zeros(requests, p.metadata.max_kv, device=device) if tracked else None)
+                shapes.add((method, requests, width))
+    graphs.max_graphs += len(shapes)  # kept beside the least recently used ones
+    return len(shapes)
+
+
 def before_ready(llm, methods: tuple[str, ...] | None = None, routings: tuple[str | None, ...] | None = None,
                  prompt_lengths: tuple[int, ...] = WARM_UP_PROMPT_LENGTHS,
                  max_tokens: tuple[int, ...] = WARM_UP_MAX_TOKENS, block_length: int = 32,
@@ -294,12 +367,16 @@ def before_ready(llm, methods: tuple[str, ...] | None = None, routings: tuple[st
     Elastic-Cache's per-layer hidden states, which any request may ask for (allocated later, beyond the budget,
     they could run the device out of memory while serving); on the kernel path, compile_kernels' passes, routed
     too (`row_counts`, `request_counts`), and the warm-up requests (`warm_up_requests`' arguments). The caller
-    then runs what else it wants warm and stops the CUDA graphs' captures (CudaGraphs.stop_capturing)."""
+    then runs what else it wants warm and stops the CUDA graphs' captures (CudaGraphs.stop_capturing). With CUDA
+    graphs, the steady passes' graphs are captured last (`capture_steady_passes`)."""
+    from ..decoding.registry import METHODS
+
     runner = llm.runner
     cache = runner.allocate_cache(with_hidden=True)
     if runner.kernels:
         compile_kernels(llm.model, cache, row_counts, request_counts, ordered=runner.batch_invariant, routed=True)
         warm_up_requests(llm, methods, routings, prompt_lengths, max_tokens, block_length)
+        capture_steady_passes(llm, tuple(METHODS) if methods is None else methods, block_length)
 
 
 def _fits(engine, prompt_length: int, params) -> bool:
