@@ -6,6 +6,7 @@ import pytest
 from conftest import eos_biased_llm
 
 from flash_dllm import SamplingParams
+from flash_dllm.engine.llm_engine import LLMEngine
 from flash_dllm.engine.scheduler import Scheduler
 from flash_dllm.engine.sequence import Sequence
 
@@ -81,9 +82,9 @@ def test_scheduler_admits_in_arrival_order_up_to_the_batch_size():
     assert scheduler.admit(2, admit_all) == [seqs[3]]
 
 
-def test_batches_of_different_keys_step_in_turn(llm):
+def test_batches_of_different_keys_share_the_steps(llm):
     """A request of another key starts at once beside a running batch (not after its queue drains), the two
-    batches alternate steps, and each request decodes as if alone."""
+    batches both step, and each request decodes as if alone."""
     common = SamplingParams(method="parallel", max_tokens=32, block_length=8, threshold=0.8)
     rare = SamplingParams(method="reference", max_tokens=16, block_length=8, steps=8)
     engine = llm.engine
@@ -94,12 +95,34 @@ def test_batches_of_different_keys_step_in_turn(llm):
     while engine.has_unfinished():
         engine.step()
         stepped.append(engine.batch.params.method)
-    assert stepped[:4] == ["parallel", "reference"] * 2
+    assert stepped[:2] == ["parallel", "reference"]  # the new batch starts level with the least served
     assert other.start_time < first.finish_time  # it did not wait for the common batch to drain
     assert max(seq.start_time for seq in later) > min(first.finish_time, other.finish_time)  # max_batch_size 2
     for seq, prompt, params in [(first, PROMPTS[0], common), (other, PROMPTS[3], rare),
                                 *zip(later, PROMPTS[1:3], [common] * 2)]:
         assert seq.output_ids == llm.generate([prompt], params)[0].token_ids
+
+
+def test_the_least_served_batch_steps_next(llm):
+    """Each batch's steps' seconds per row add up; the least served steps next, and a new batch starts level with
+    the least served one (not at 0, which would hold the GPU until it caught up)."""
+    engine = LLMEngine(llm.runner, llm.special, max_batch_size=4)
+    keys = []
+    for max_tokens, served in [(8, 0.5), (16, 0.2)]:
+        params = SamplingParams(method="parallel", max_tokens=max_tokens, block_length=8)
+        engine.add_request(llm.encode(PROMPTS[0]), params)
+        engine.admit()
+        keys.append(params.batch_key())
+        engine.batches[keys[-1]].served_s = served
+    assert engine.next_turn() == keys[1]
+    late = SamplingParams(method="parallel", max_tokens=24, block_length=8)
+    engine.add_request(llm.encode(PROMPTS[1]), late)
+    engine.admit()
+    assert engine.batches[late.batch_key()].served_s == 0.2
+    while engine.has_unfinished():
+        engine.step()
+    engine.admit()
+    assert not engine.batches  # batches without work leave
 
 
 def test_step_without_requests_does_nothing(llm):

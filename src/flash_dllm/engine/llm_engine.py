@@ -2,8 +2,10 @@
 
 Requests may be added at any time; each `step()` first admits waiting requests (engine/scheduler.py), each into
 the running batch of its `batch_key`, then runs one iteration of one batch's decoding method for every row and
-retires the rows that finished. The batches step in turn: under a mix of methods and lengths a request of a
-rare key advances at once instead of waiting for the common key's queue to drain. The KV cache of the cached
+retires the rows that finished. The batches share the GPU by time: the next to step is the one whose steps have
+taken the least time per row so far (a new batch starts level with the least served), so that every running
+request gets about the same share whatever its method costs a step, and a request of a rare key advances at once
+instead of waiting for the common key's queue to drain. The KV cache of the cached
 methods is allocated by the model runner at the first request that needs it (on the GPU the Triton kernels are
 compiled then, before any request is timed); the engine hands out its rows, shared by all batches.
 """
@@ -11,7 +13,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +35,7 @@ class RunningBatch:
     running: list[Sequence] = field(default_factory=list)  # the batch's sequences, row by row
     joining: list[Sequence] = field(default_factory=list)  # admitted, in the batch from its next step
     batch: DecodeBatch | None = None
+    served_s: float = 0.0  # its steps' seconds over their rows, summed: the least served steps next
 
     @property
     def has_work(self) -> bool:
@@ -46,7 +48,7 @@ class LLMEngine:
         self.special = special
         self.device = runner.device
         self.scheduler = Scheduler(max_batch_size)
-        self.batches: OrderedDict[tuple, RunningBatch] = OrderedDict()  # by batch_key, the next to step first
+        self.batches: dict[tuple, RunningBatch] = {}  # by batch_key, in order of creation
         self.current: RunningBatch | None = None  # the one that stepped last
         self.last_step: StepShape | None = None   # its method, rows and whether one ran its first pass
         self.allocator: CacheAllocator | None = None
@@ -123,16 +125,29 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return any(group.has_work for group in self.batches.values()) or bool(self.scheduler.waiting)
 
+    def next_turn(self) -> tuple | None:
+        """The key of the running batch that steps next: the least served (None: no batch has work)."""
+        return min(self.batches, key=lambda key: self.batches[key].served_s, default=None)
+
     @torch.inference_mode()
-    def step(self) -> list[Sequence]:
-        """Admit waiting requests, run one iteration over the running batch whose turn it is and return the
+    def step(self, turn: tuple | None = None) -> list[Sequence]:
+        """Admit waiting requests, run one iteration over the running batch whose turn it is (`turn`, a key of
+        `batches`: a tensor-parallel driver's choice for its workers; default `next_turn()`) and return the
         sequences that finished in it. A method whose step is replayable runs it, with the finish test, from a
         CUDA graph while the batch and its plan repeat (the graph reads and writes the batch's tensors where they
         are; a new batch gets new graphs)."""
-        self._admit()
-        self.current = group = self._next_turn()
-        if group is None:
+        self.admit()
+        turn = self.next_turn() if turn is None else turn
+        if turn is None:
             return []
+        self.current = group = self.batches[turn]
+        start = time.perf_counter()
+        try:
+            return self._step(group)
+        finally:
+            group.served_s += (time.perf_counter() - start) / max(len(group.running), 1)
+
+    def _step(self, group: RunningBatch) -> list[Sequence]:
         self._refresh_batch(group)
         method, runner, batch = method_of(group.batch.params.method), self.runner, group.batch
         self.last_step = StepShape(method.name, len(batch.rows), any(row.is_first_pass for row in batch.rows))
@@ -149,21 +164,19 @@ class LLMEngine:
                                                                     whole_step))
         return self._collect_finished(group, *whole_step())
 
-    def _admit(self):
-        """Waiting requests into their key's running batch (a new one goes last in the turns)."""
+    def admit(self):
+        """Drop the running batches left without work, and admit waiting requests into their key's batch (a new
+        batch starts as served as the least served one). Deterministic: a tensor-parallel worker admits as its
+        driver does."""
+        for key in [key for key, group in self.batches.items() if not group.has_work]:
+            del self.batches[key]
         num_running = sum(not seq.is_finished for seq in self.running)
         for seq in self.scheduler.admit(num_running, self._reserve):
-            self.batches.setdefault(seq.params.batch_key(), RunningBatch()).joining.append(seq)
-
-    def _next_turn(self) -> RunningBatch | None:
-        """The running batch that steps now, moved to the back of the turns; batches left without work go."""
-        for key in list(self.batches):
-            group = self.batches[key]
-            if group.has_work:
-                self.batches.move_to_end(key)
-                return group
-            del self.batches[key]
-        return None
+            key = seq.params.batch_key()
+            if key not in self.batches:
+                served = min((group.served_s for group in self.batches.values()), default=0.0)
+                self.batches[key] = RunningBatch(served_s=served)
+            self.batches[key].joining.append(seq)
 
     def _refresh_batch(self, group: RunningBatch):
         """Drop the rows that finished since the batch last stepped and add the joining ones; rebuild only on a

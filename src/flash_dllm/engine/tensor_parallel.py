@@ -324,8 +324,8 @@ def abort(state: RankState, request_ids: list[int]):
     engine.abort([seq for seq in [*engine.running, *engine.scheduler.waiting] if seq.request_id in ids])
 
 
-def step(state: RankState):
-    for seq in state.engine.step():
+def step(state: RankState, turn: tuple | None):
+    for seq in state.engine.step(turn):
         state.outputs[seq.request_id] = seq.output_ids
         if len(state.outputs) > RECENT_OUTPUTS:
             state.outputs.popitem(last=False)
@@ -372,5 +372,9 @@ class MirroredEngine(LLMEngine):
             super().abort(seqs)
 
     def step(self):
-        with self.workers.operation(step):
-            return super().step()
+        # The turn is chosen here (by the steps' times, which differ between ranks) and sent with the step; the
+        # admission before it is deterministic, so each worker's batches are the driver's.
+        self.admit()
+        turn = self.next_turn()
+        with self.workers.operation(step, turn):
+            return super().step(turn)
