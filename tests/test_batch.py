@@ -31,7 +31,7 @@ def test_build_pads_left_and_unpack_hands_rows_back():
     assert batch.positions.tolist() == [[0, 1, 2, 3, 4], [0, 0, 0, 1, 2]]
     assert batch.state.mass.tolist() == [[1, 2, 3, 4, 5], [0, 0, 1, 2, 3]]
     assert batch.counters.steps.tolist() == [2, 0] and batch.rule_value.tolist() == [0.9, 0.6]
-    assert (batch.gen_start, batch.max_length, batch.cache_base) == (3, 5, None)
+    assert (batch.gen_start, batch.cache_base) == (3, None)
 
     batch.tokens[1, 3] = 42
     batch.state.mass += 10

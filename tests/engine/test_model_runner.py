@@ -33,7 +33,8 @@ def test_prepare_builds_rows_and_metadata_from_counts():
     assert p.positions.tolist() == [2, 5, 11, 0, 1]                 # row 1 starts at column 3 (padding before)
     m = p.metadata
     assert m.cu_seqlens_q.tolist() == [0, 3, 5] and m.slot_mapping.tolist() == [102, 105, 111, 0, 1]
-    assert (m.max_q, m.max_kv, m.kv_len.tolist(), m.track_rows.tolist()) == (3, 12, [12, 9], [1, 0, 0, 0, 1])
+    # the keys' width: the longest row (12) rounded up to its bucket (16: cuda_graphs.bucket), shared by nearby lengths
+    assert (m.max_q, m.max_kv, m.kv_len.tolist(), m.track_rows.tolist()) == (3, 16, [12, 9], [1, 0, 0, 0, 1])
     assert p.flat_of_column[0, [2, 5, 11]].tolist() == [0, 1, 2] and p.flat_of_column[1, [3, 4]].tolist() == [3, 4]
     assert (p.flat_of_column >= 0).sum() == 5
 
@@ -41,7 +42,7 @@ def test_prepare_builds_rows_and_metadata_from_counts():
         batch, [2, 1], columns[[1, 0]], order=[1, 0], visibility=torch.ones(2, 2, 2, dtype=torch.bool))
     assert reordered.request.tolist() == [1, 1, 0] and reordered.positions.tolist() == [0, 1, 2]
     m = reordered.metadata
-    assert m.kv_start.tolist() == [0, 100] and m.max_kv == 12 and not m.write_cache
+    assert m.kv_start.tolist() == [0, 100] and m.max_kv == 16 and not m.write_cache
     assert m.hidden_keys.nonzero().tolist() == [[0, 0], [0, 1], [1, 2]]  # each group's own positions
 
 
