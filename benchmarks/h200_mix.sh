@@ -18,7 +18,8 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}  # carried wheels (serve) stay on the path
 source "$(dirname "$0")/steps.sh"
 FILTER="grep -v variant/s"
-MIX="--rate ${RATE:-3} --requests ${REQUESTS:-300} --mix-prompt-lengths 64 256 1024 4096 8192 --mix-max-tokens 32 128 512"
+# random LLaDA-8B holds 4,096 positions: prompt + max_tokens stay within them
+MIX="--rate ${RATE:-3} --requests ${REQUESTS:-300} --mix-prompt-lengths 64 256 1024 3584 --mix-max-tokens 32 128 512"
 serve_and_mix() {  # serve_and_mix NAME: start a server, time it to ready, run the mix against it, keep /metrics
   local name=$1 start=$SECONDS
   python -m flash_dllm.cli serve --model random:llada-8b --method flash-cache --max-batch 32 --port 8123 \
@@ -38,10 +39,10 @@ serve_and_mix() {  # serve_and_mix NAME: start a server, time it to ready, run t
 }
 BENCH="python -m flash_dllm.cli bench mix"
 every_method() {
-  TAIL=40 step mix_every_method 240 $BENCH --rate 1 --requests "${MIX_REQUESTS:-30}" --mix-prompt-lengths 64 1024 8192 \
+  TAIL=40 step mix_every_method 240 $BENCH --rate 1 --requests "${MIX_REQUESTS:-30}" --mix-prompt-lengths 64 1024 3968 \
       --mix-max-tokens 32 128
 }
-SINGLE="--mix-methods flash-cache --mix-max-tokens 128 --mix-prompt-lengths 64 256 1024 4096"
+SINGLE="--mix-methods flash-cache --mix-max-tokens 128 --mix-prompt-lengths 64 256 1024 3968"
 alone() {  # one request at a time: the cost of eager steps, where only passes replay
   TAIL=14 step alone_no_captures 90 $BENCH $SINGLE --rate 0.3 --requests 8
   TAIL=14 step alone_lazy_captures 90 $BENCH $SINGLE --rate 0.3 --requests 8 --capture-after-ready

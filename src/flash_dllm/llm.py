@@ -210,15 +210,12 @@ class LLM:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def _prompt_ids(self, prompt: Prompt, params: SamplingParams) -> list[int]:
-        """A prompt's token ids, checked against the model's context (the engine checks the KV cache)."""
+        """A prompt's token ids (the engine checks them against the model's context and the KV cache)."""
         if isinstance(prompt, (str, list)) and not prompt:
             raise ValueError("the prompt is empty")
         ids = self.encode(prompt)
         if not ids:
             raise ValueError("the prompt encodes to no tokens")
-        if len(ids) + params.max_tokens > self.config.max_position:
-            raise ValueError(f"prompt of {len(ids)} tokens + max_tokens {params.max_tokens} exceeds the "
-                             f"model's maximum sequence length of {self.config.max_position}")
         return ids
 
     def decode(self, token_ids: list[int]) -> str:

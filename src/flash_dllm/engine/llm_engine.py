@@ -62,7 +62,12 @@ class LLMEngine:
         return seq
 
     def check_fits(self, prompt_length: int, params: SamplingParams):
-        """Raise now, not after the queue drains, for a request that the KV cache can never hold."""
+        """Raise now, not once it would run, for a request that the model's context or the KV cache can never
+        hold."""
+        max_position = self.runner.model.config.max_position
+        if prompt_length + params.max_tokens > max_position:
+            raise ValueError(f"prompt of {prompt_length} tokens + max_tokens {params.max_tokens} exceeds the "
+                             f"model's maximum sequence length of {max_position}")
         method = method_of(params.method)
         if self.runner.logit_shift and not method.handles_logit_shift:
             able = ", ".join(m.name for m in METHODS.values() if m.handles_logit_shift)
