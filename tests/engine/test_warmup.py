@@ -80,11 +80,12 @@ class RecordedGraphs(CudaGraphs):
         return fn(*tensors)
 
 
+@pytest.mark.parametrize("preset", ["llada-tiny", "dream-tiny"])  # Dream: shifted logits, another pass shape
 @pytest.mark.parametrize("method", ["flash-cache", "dual-cache"])
-def test_a_requests_steady_passes_find_a_graph_captured_before_ready(method):
+def test_a_requests_steady_passes_find_a_graph_captured_before_ready(method, preset):
     """Requests of lengths the warm-up never ran: every pass but their whole-sequence ones (a first pass, a block's
     refresh) has the shape of one that `capture_steady_passes` captured, at one request a batch."""
-    llm = LLM("random:llada-tiny", device="cpu", dtype="float32", kernels=False, kv_cache_bytes=1 << 22)
+    llm = LLM(f"random:{preset}", device="cpu", dtype="float32", kernels=False, kv_cache_bytes=1 << 22)
     runner = llm.runner
     runner.allocate_cache(with_hidden=False)
     runner.graphs = graphs = RecordedGraphs(runner)

@@ -114,6 +114,13 @@ class DecodingMethod:
     def validate(self, params: SamplingParams):
         """Checks across the common fields and the settings (ranges of single knobs are the settings')."""
 
+    def steady_pass(self, params: SamplingParams, logit_shift: int) -> tuple[int, bool] | None:
+        """(query rows per request, whether its attention mass is tracked) of the cached pass that the method's
+        steps repeat with these settings, the same for every sequence longer than the rows; None where its passes
+        vary from step to step. Such a pass's CUDA graphs are captured before a server is ready
+        (engine/warmup.capture_steady_passes)."""
+        return None
+
     def initial_state(self, length: int, device: torch.device) -> Any:
         """The method's per-position state for a new sequence of `length` positions: a dataclass of [length]
         tensors, or None."""

@@ -9,6 +9,7 @@ from .prefix_cache import PrefixCache
 
 if TYPE_CHECKING:
     from ..batch import RowState
+    from ..sampling_params import SamplingParams
 
 
 class DualCache(PrefixCache):
@@ -16,3 +17,6 @@ class DualCache(PrefixCache):
 
     def reused_rows(self, row: RowState, block_start: int, block_length: int) -> int:
         return min(block_length, row.length - block_start)  # the last block may be shorter
+
+    def steady_pass(self, params: SamplingParams, logit_shift: int) -> tuple[int, bool]:
+        return params.block_length + logit_shift, False  # the block, after the columns of its first logits

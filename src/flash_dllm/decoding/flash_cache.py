@@ -93,6 +93,9 @@ class FlashCache(Parallel):
         check(window >= params.block_length,
               f"mask_window ({window}) must cover a block (block_length {params.block_length})")
 
+    def steady_pass(self, params: SamplingParams, logit_shift: int) -> tuple[int, bool]:
+        return params.settings.mask_window + params.settings.tracking_budget, True
+
     def initial_state(self, length: int, device: torch.device) -> FlashCacheState:
         return FlashCacheState(key_mass=torch.zeros(length, device=device),
                                decoded_at=torch.full((length,), -1, dtype=torch.long, device=device))

@@ -289,19 +289,10 @@ def warm_up_requests(llm, methods: tuple[str, ...] | None = None, routings: tupl
 
 # After ready a request's steps run eagerly (no whole-step graph is captured then, and none captured before fits a
 # later batch: engine/cuda_graphs.py), but a pass replays any graph of its shape. The steady passes of the methods
-# whose query rows per request are fixed by their settings (Flash-Cache's budget, dual-cache's block) are captured
-# before ready for these batch sizes and every bucket of the keys' width (model_runner.prepare); a batch's other
-# passes (first passes, refreshes, other batch sizes or settings) run eagerly.
+# that declare one (`DecodingMethod.steady_pass`: Flash-Cache's budget, dual-cache's block) are captured before
+# ready for these batch sizes and every bucket of the keys' width (model_runner.prepare); a batch's other passes
+# (first passes, refreshes, other batch sizes or settings) run eagerly.
 STEADY_BATCH_SIZES = (1,)
-
-
-def steady_pass_rows(method: str, params, logit_shift: int) -> int | None:
-    """The query rows per request of a method's steady pass with these settings (None: they vary by step)."""
-    if method == "flash-cache":
-        return params.settings.mask_window + params.settings.tracking_budget
-    if method == "dual-cache":
-        return params.block_length + logit_shift
-    return None
 
 
 def key_widths(first: int, last: int) -> list[int]:
@@ -315,27 +306,30 @@ def key_widths(first: int, last: int) -> list[int]:
 
 def capture_steady_passes(llm, methods: tuple[str, ...], block_length: int = 32,
                           batch_sizes: tuple[int, ...] = STEADY_BATCH_SIZES) -> int:
-    """Capture the CUDA graphs of the steady passes of `methods` (those `steady_pass_rows` knows, with their
-    default settings and `block_length`) over `batch_sizes` requests, at every bucket of the keys' width that a
-    sequence the cache and the model hold reaches: each pass runs twice on a synthetic batch (a graph is captured at
-    its shape's second sighting). The batch's rows are the cache's first; what the passes write there, before ready,
-    no request reads. Returns how many shapes were captured."""
+    """Capture the CUDA graphs of the steady passes of `methods` (with their default settings and `block_length`)
+    over `batch_sizes` requests, at every bucket of the keys' width that a sequence the cache and the model hold
+    reaches: each pass runs twice on a synthetic batch (a graph is captured at its shape's second sighting). The
+    batch's rows are the cache's first; what the passes write there, before ready, no request reads. Returns how
+    many shapes were captured."""
     from ..batch import Counters, DecodeBatch, RowState
+    from ..decoding.registry import method_of
     from ..sampling_params import SamplingParams
 
     runner, special = llm.runner, llm.special
     graphs, device = runner.graphs, runner.device
     if graphs is None:
         return 0
+    stop_ids = torch.tensor(special.stop_ids, device=device)
     shapes = set()
     for method in methods:
         try:
             params = SamplingParams(method=method, block_length=block_length)
         except ValueError:
             continue
-        rows = steady_pass_rows(method, params, runner.logit_shift)
-        if rows is None:
+        steady = method_of(method).steady_pass(params, runner.logit_shift)
+        if steady is None:
             continue
+        rows, tracked = steady
         for requests in batch_sizes:
             longest = min(runner.cache.num_rows // requests, llm.config.max_position)
             for width in key_widths(rows + 1, longest):
@@ -343,12 +337,10 @@ def capture_steady_passes(llm, methods: tuple[str, ...], block_length: int = 32,
                 if bucket(length) != width:
                     continue
                 tokens = torch.full((length,), special.mask_id, device=device)
-                batch = DecodeBatch.build(
-                    [RowState(params, 1, tokens, Counters.zeros(device), None, cache_base=b * length)
-                     for b in range(requests)], special.mask_id, torch.tensor(special.stop_ids, device=device),
-                    special.pad_id)
+                batch = DecodeBatch.build([RowState(params, 1, tokens, Counters.zeros(device), None, b * length)
+                                           for b in range(requests)], special.mask_id, stop_ids, special.pad_id)
                 columns = (length - rows + torch.arange(rows, device=device)).expand(requests, rows)
-                tracked = method == "flash-cache"
+                # as the methods' steps ask: Flash-Cache tracks its rows, dual-cache keeps its shift columns' K/V
                 p = runner.prepare(batch, [rows] * requests, columns,
                                    track=torch.zeros_like(batch.tokens, dtype=torch.bool) if tracked else None,
                                    kept=None if tracked else [runner.logit_shift] * requests)
