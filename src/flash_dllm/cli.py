@@ -579,11 +579,11 @@ def cmd_bench_mix(args):
     spec = mix_spec_from_args(args)
     llm = llm_from_args(args, max_batch_size=args.max_batch)
     start = time.perf_counter()
-    warm_up(llm, spec, requests=not args.no_warm_up_requests, capture_after_ready=args.capture_after_ready)
+    phases = warm_up(llm, spec, requests=not args.no_warm_up_requests, capture_after_ready=args.capture_after_ready)
     device_name = torch.cuda.get_device_name(llm.device) if llm.device.type == "cuda" else "cpu"
     print(f"# bench mix: {args.model} on {device_name}, {llm.dtype}, max batch {args.max_batch}; "
           f"{describe_mix(spec)}; warm-up {time.perf_counter() - start:.1f} s"
-          + (" (KV cache and compile_kernels only)" if args.no_warm_up_requests else "")
+          + (" (KV cache and compile_kernels only)" if phases is None else f" ({phases})")
           + ("; CUDA graphs captured during the mix" if args.capture_after_ready and llm.runner.graphs else ""))
     print(format_report(run_offline(llm, spec)))
 

@@ -18,8 +18,12 @@ import random
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ..engine.counters import ReadyMark, StepShape, percentile, step_ratios
+
+if TYPE_CHECKING:
+    from ..engine.warmup import StartUpPhases
 
 DENSE = "dense"  # the routing label of requests without kv_routing
 
@@ -224,21 +228,24 @@ def run_offline(llm, spec: MixSpec, requests: list[MixRequest] | None = None) ->
                      (after["captures"].count, after["captures"].seconds), steps, after_ready=mark.after_by_name())
 
 
-def warm_up(llm, spec: MixSpec, requests: bool = True, capture_after_ready: bool = False):
+def warm_up(llm, spec: MixSpec, requests: bool = True, capture_after_ready: bool = False) -> StartUpPhases | None:
     """What `serve` does before ready (engine/warmup.py's `before_ready`), for the mix's methods, routings and
-    lengths, then no CUDA-graph captures. requests=False: as before issue 40, the KV cache only (and with it, on
-    CUDA, compile_kernels' dense passes).
+    lengths, then no CUDA-graph captures; returns its phases' times. requests=False: as before issue 40, the KV
+    cache only (and with it, on CUDA, compile_kernels' dense passes): None.
     capture_after_ready: graphs are still captured lazily during the mix (as before issue 40: the throughput
     that stopping the captures costs)."""
     from ..engine.warmup import before_ready
 
     runner = llm.runner
+    phases = None
     if requests:
-        before_ready(llm, spec.methods, spec.routings, spec.prompt_lengths, spec.max_tokens, spec.block_length)
+        phases = before_ready(llm, spec.methods, spec.routings, spec.prompt_lengths, spec.max_tokens,
+                              spec.block_length)
     else:
         runner.allocate_cache(with_hidden=True)
     if runner.graphs is not None and not capture_after_ready:
         runner.graphs.stop_capturing()
+    return phases
 
 
 # Against a server.

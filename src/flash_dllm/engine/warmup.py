@@ -27,6 +27,7 @@ import threading
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed, wait
+from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
@@ -351,24 +352,54 @@ def capture_steady_passes(llm, methods: tuple[str, ...], block_length: int = 32,
     return len(shapes)
 
 
+@dataclass
+class StartUpPhases:
+    """What `before_ready` spent its time on (seconds), and how many warm-up requests and pass graphs it ran."""
+
+    cache_s: float = 0.0
+    kernels_s: float = 0.0
+    requests_s: float = 0.0
+    requests: int = 0
+    passes_s: float = 0.0
+    pass_graphs: int = 0
+
+    def __str__(self) -> str:
+        return (f"KV cache {self.cache_s:.1f} s, kernel variants {self.kernels_s:.1f} s, {self.requests} warm-up "
+                f"requests {self.requests_s:.1f} s, {self.pass_graphs} steady-pass graphs {self.passes_s:.1f} s")
+
+
 def before_ready(llm, methods: tuple[str, ...] | None = None, routings: tuple[str | None, ...] | None = None,
                  prompt_lengths: tuple[int, ...] = WARM_UP_PROMPT_LENGTHS,
                  max_tokens: tuple[int, ...] = WARM_UP_MAX_TOKENS, block_length: int = 32,
-                 row_counts: tuple[int, ...] = ROW_COUNTS, request_counts: tuple[int, ...] = REQUEST_COUNTS):
+                 row_counts: tuple[int, ...] = ROW_COUNTS, request_counts: tuple[int, ...] = REQUEST_COUNTS
+                 ) -> StartUpPhases:
     """What a server runs before it reports ready (and `bench mix` before its mix): the KV cache, with room for
     Elastic-Cache's per-layer hidden states, which any request may ask for (allocated later, beyond the budget,
     they could run the device out of memory while serving); on the kernel path, compile_kernels' passes, routed
     too (`row_counts`, `request_counts`), and the warm-up requests (`warm_up_requests`' arguments). The caller
     then runs what else it wants warm and stops the CUDA graphs' captures (CudaGraphs.stop_capturing). With CUDA
-    graphs, the steady passes' graphs are captured last (`capture_steady_passes`)."""
+    graphs, the steady passes' graphs are captured last (`capture_steady_passes`). Returns the phases' times."""
     from ..decoding.registry import METHODS
 
-    runner = llm.runner
-    cache = runner.allocate_cache(with_hidden=True)
+    runner, phases = llm.runner, StartUpPhases()
+    clock = time.perf_counter()
+
+    def lap() -> float:
+        nonlocal clock
+        before, clock = clock, time.perf_counter()
+        return clock - before
+
+    cache = runner.allocate_cache(with_hidden=True)  # on CUDA the dense passes' variants compile here
+    phases.cache_s = lap()
     if runner.kernels:
         compile_kernels(llm.model, cache, row_counts, request_counts, ordered=runner.batch_invariant, routed=True)
-        warm_up_requests(llm, methods, routings, prompt_lengths, max_tokens, block_length)
-        capture_steady_passes(llm, tuple(METHODS) if methods is None else methods, block_length)
+        phases.kernels_s = lap()
+        phases.requests = warm_up_requests(llm, methods, routings, prompt_lengths, max_tokens, block_length)
+        phases.requests_s = lap()
+        phases.pass_graphs = capture_steady_passes(llm, tuple(METHODS) if methods is None else methods,
+                                                   block_length)
+        phases.passes_s = lap()
+    return phases
 
 
 def _fits(engine, prompt_length: int, params) -> bool:
