@@ -5,9 +5,9 @@ the running batch of its `batch_key`, then runs one iteration of one batch's dec
 retires the rows that finished. The batches share the GPU by time: the next to step is the one whose steps have
 taken the least time per row so far (a new batch starts level with the least served), so that every running
 request gets about the same share whatever its method costs a step, and a request of a rare key advances at once
-instead of waiting for the common key's queue to drain. The KV cache of the cached
-methods is allocated by the model runner at the first request that needs it (on the GPU the Triton kernels are
-compiled then, before any request is timed); the engine hands out its rows, shared by all batches.
+instead of waiting for the common key's queue to drain. The KV cache of the cached methods is allocated by the
+model runner at the first request that needs it (on the GPU the Triton kernels are compiled then, before any
+request is timed); the engine hands out its rows, shared by all batches.
 """
 from __future__ import annotations
 

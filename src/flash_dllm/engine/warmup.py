@@ -335,7 +335,7 @@ def capture_steady_passes(llm, methods: tuple[str, ...], block_length: int = 32,
             longest = min(runner.cache.num_rows // requests, llm.config.max_position)
             for width in key_widths(rows + 1, longest):
                 length = min(width, longest)  # a width past the longest sequence: the longest that reaches it
-                if bucket(length) != width:
+                if bucket(length) != width or (rows, tracked, requests, width) in shapes:  # Flash-Verify's draft
                     continue
                 tokens = torch.full((length,), special.mask_id, device=device)
                 batch = DecodeBatch.build([RowState(params, 1, tokens, Counters.zeros(device), None, b * length)
@@ -347,7 +347,7 @@ def capture_steady_passes(llm, methods: tuple[str, ...], block_length: int = 32,
                                    kept=None if tracked else [runner.logit_shift] * requests)
                 for _ in range(2):
                     runner.run(p, torch.zeros(requests, p.metadata.max_kv, device=device) if tracked else None)
-                shapes.add((method, requests, width))
+                shapes.add((rows, tracked, requests, width))
     graphs.max_graphs += len(shapes)  # kept beside the least recently used ones
     return len(shapes)
 
