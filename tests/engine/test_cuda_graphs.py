@@ -19,6 +19,7 @@ from flash_dllm.engine.cuda_graphs import (CAPTURE_AFTER, MAX_GRAPH_ROWS, CudaGr
 from flash_dllm.engine import cuda_graphs
 from flash_dllm.engine.counters import ReadyMark
 from flash_dllm.engine.llm_engine import LLMEngine
+from flash_dllm.engine.warmup import capture_steady_passes
 
 METHODS = [dict(method="prefix-cache"), dict(method="dual-cache"),
            dict(method="flash-cache", tracking_budget=4, mask_window=8),
@@ -53,6 +54,26 @@ class ReplayingCapture:
 
     def replay(self, tensors):
         return self.fn(*tensors)
+
+
+@pytest.mark.parametrize("method", ["flash-cache", "dual-cache"])
+def test_passes_captured_before_ready_give_later_requests_the_eager_tokens(gqa_checkpoint, method, monkeypatch):
+    """The steady passes that `capture_steady_passes` captures from synthetic batches (the keys' width padded to its
+    bucket) serve later requests of other lengths, after captures stop, with the tokens of a run without graphs
+    (CPU, captures that rerun Python)."""
+    params = SamplingParams(method=method, max_tokens=24, block_length=8)
+    prompts = [[5 + i % 40 for i in range(n)] for n in (150, 333)]
+    eager = LLM(gqa_checkpoint, device="cpu", dtype="float32")
+    expected = [eager.generate([prompt], params, use_tqdm=False)[0].token_ids for prompt in prompts]
+    monkeypatch.setattr(GraphedCalls, "_capture", lambda self, fn, tensors, run_first: ReplayingCapture(fn, tensors))
+    llm = LLM(gqa_checkpoint, device="cpu", dtype="float32")
+    llm.runner.allocate_cache(with_hidden=False)
+    llm.runner.graphs = graphs = CudaGraphs(llm.runner._forward_cached, torch.device("cpu"))
+    assert capture_steady_passes(llm, (method,), block_length=8) > 0
+    graphs.stop_capturing()
+    captured = len(graphs.graphs)
+    assert [llm.generate([prompt], params, use_tqdm=False)[0].token_ids for prompt in prompts] == expected
+    assert graphs.replays > 0 and len(graphs.graphs) == captured
 
 
 def batch_tensors(batch) -> list[int]:
