@@ -175,10 +175,11 @@ class GraphedCalls:
     def stop_capturing(self):
         """From now on the graphs held replay, and a key without one runs eagerly: no capture on a request's path
         (a server's, once ready). Under continuous batching a batch's tensors and shapes change at every arrival
-        and departure, so that most whole-step graphs would be captured for a few replays. Measured (H100, random
-        LLaDA-8B, Flash-Cache, `bench mix --capture-after-ready` against none): at batch 11-26 the throughput is
-        within 0.5%; one request at a time its steps take 2.3x as long (20.2 against 8.6 ms), until whole steps
-        replay from batch buffers shared across requests (benchmarks/RESULTS.md, 2026-12-06)."""
+        and departure, so that most whole-step graphs would be captured for a few replays; a pass's graph replays for
+        any batch of its shape (`warmup.capture_steady_passes` captures the steady ones before ready). Measured
+        (H100, random LLaDA-8B, Flash-Cache, `bench mix --capture-after-ready` against none): at batch 11-26 the
+        throughput is within 0.5%; a lone dense request's steady step takes 9.5 against 8.3 ms, batch 2 28 against
+        18 ms (benchmarks/RESULTS.md, 2026-12-06)."""
         self.capturing = False
 
     def _capture(self, fn, tensors: tuple[torch.Tensor, ...], run_first: bool) -> _CapturedCall:

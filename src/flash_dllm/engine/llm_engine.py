@@ -134,15 +134,18 @@ class LLMEngine:
         """The key of the running batch that steps next: the least served (None: no batch has work)."""
         return min(self.batches, key=lambda key: self.batches[key].served_s, default=None)
 
-    @torch.inference_mode()
-    def step(self, turn: tuple | None = None) -> list[Sequence]:
-        """Admit waiting requests, run one iteration over the running batch whose turn it is (`turn`, a key of
-        `batches`: a tensor-parallel driver's choice for its workers; default `next_turn()`) and return the
-        sequences that finished in it. A method whose step is replayable runs it, with the finish test, from a
-        CUDA graph while the batch and its plan repeat (the graph reads and writes the batch's tensors where they
-        are; a new batch gets new graphs)."""
+    def step(self) -> list[Sequence]:
+        """Admit waiting requests, run one iteration over the running batch whose turn it is (`next_turn`) and
+        return the sequences that finished in it."""
         self.admit()
-        turn = self.next_turn() if turn is None else turn
+        return self.step_batch(self.next_turn())
+
+    @torch.inference_mode()
+    def step_batch(self, turn: tuple | None) -> list[Sequence]:
+        """One iteration over the running batch of key `turn` (None: none), after `admit`; the sequences that
+        finished in it. A tensor-parallel driver chooses the turn and its workers step the same. A method whose
+        step is replayable runs it, with the finish test, from a CUDA graph while the batch and its plan repeat
+        (the graph reads and writes the batch's tensors where they are; a new batch gets new graphs)."""
         if turn is None:
             return []
         self.current = group = self.batches[turn]

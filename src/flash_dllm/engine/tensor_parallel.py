@@ -325,7 +325,8 @@ def abort(state: RankState, request_ids: list[int]):
 
 
 def step(state: RankState, turn: tuple | None):
-    for seq in state.engine.step(turn):
+    state.engine.admit()
+    for seq in state.engine.step_batch(turn):
         state.outputs[seq.request_id] = seq.output_ids
         if len(state.outputs) > RECENT_OUTPUTS:
             state.outputs.popitem(last=False)
@@ -377,4 +378,4 @@ class MirroredEngine(LLMEngine):
         self.admit()
         turn = self.next_turn()
         with self.workers.operation(step, turn):
-            return super().step(turn)
+            return self.step_batch(turn)

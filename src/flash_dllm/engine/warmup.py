@@ -320,7 +320,6 @@ def capture_steady_passes(llm, methods: tuple[str, ...], block_length: int = 32,
     graphs, device = runner.graphs, runner.device
     if graphs is None:
         return 0
-    stop_ids = torch.tensor(special.stop_ids, device=device)
     shapes = set()
     for method in methods:
         try:
@@ -339,7 +338,8 @@ def capture_steady_passes(llm, methods: tuple[str, ...], block_length: int = 32,
                     continue
                 tokens = torch.full((length,), special.mask_id, device=device)
                 batch = DecodeBatch.build([RowState(params, 1, tokens, Counters.zeros(device), None, b * length)
-                                           for b in range(requests)], special.mask_id, stop_ids, special.pad_id)
+                                           for b in range(requests)], special.mask_id, llm.engine.stop_ids,
+                                          special.pad_id)
                 columns = (length - rows + torch.arange(rows, device=device)).expand(requests, rows)
                 # as the methods' steps ask: Flash-Cache tracks its rows, dual-cache keeps its shift columns' K/V
                 p = runner.prepare(batch, [rows] * requests, columns,
