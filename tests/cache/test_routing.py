@@ -303,6 +303,22 @@ def test_kmeans_routes_every_cached_method(gqa_checkpoint, knobs):
     assert all(o.error is None and len(o.token_ids) > 0 and 0 < o.prompt_kv_read < 1 for o in outputs)
 
 
+def test_a_kmeans_prefill_beside_requests_on_rows_another_request_left():
+    """A pass that builds a request's k-means regions reads no region of the other requests' rows: rows a longer
+    k-means request left hold its regions (more than this pass has chunks; the H100 mix's out-of-bounds scatter).
+    The tokens are those of a fresh engine."""
+    g = torch.Generator().manual_seed(0)
+    prompt = lambda n: torch.randint(100, 300, (n,), generator=g).tolist()
+    routed = lambda policy: SamplingParams(method="flash-cache", max_tokens=8, block_length=8, kv_routing=policy)
+    long, batch = prompt(860), [prompt(200), prompt(100)]
+    llm = LLM("random:llada-tiny", device="cpu", dtype="float32", kernels=False)
+    llm.generate([long], routed("kmeans"), use_tqdm=False)  # its regions stay in the rows it leaves
+    after = llm.generate(batch, [routed("chunk"), routed("kmeans")], use_tqdm=False)
+    fresh = LLM("random:llada-tiny", device="cpu", dtype="float32", kernels=False).generate(
+        batch, [routed("chunk"), routed("kmeans")], use_tqdm=False)
+    assert all(o.error is None for o in after) and [o.token_ids for o in after] == [o.token_ids for o in fresh]
+
+
 def test_settings_are_checked(gqa_checkpoint):
     with pytest.raises(ValueError, match="kv_routing must be None or one of"):
         SamplingParams(method="dual-cache", kv_routing="quest")

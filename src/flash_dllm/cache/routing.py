@@ -212,7 +212,10 @@ def update_kmeans(k_cache: torch.Tensor, v_cache: torch.Tensor, summaries: torch
     keys = routing.keys_of_pass(metadata, Hkv)
     B, K = keys.key_index.shape
     grouped = cached_keys(k_cache, k_scale, keys.key_index).transpose(1, 2).reshape(B * Hkv, K, D)
-    assign = assignment[keys.key_index].long().transpose(1, 2).masked_fill(~keys.routable[:, None, :], -1)
+    # Only a rebuilding request's rows hold its own regions; the others' may hold those of a request that left
+    # (of more regions than this pass has chunks).
+    kept = keys.routable[:, None, :] & routing.rebuilds[:, None, None]
+    assign = assignment[keys.key_index].long().transpose(1, 2).masked_fill(~kept, -1)
     if routing.any_recluster:
         fresh = kmeans_assignment(grouped, CHUNK, keys.routable.repeat_interleave(Hkv, dim=0)).view(B, Hkv, K)
         assign = torch.where(routing.reclusters[:, None, None], fresh, assign)
