@@ -44,7 +44,7 @@ def main():
     args = parser.parse_args()
     llm = LLM(args.model, device="cuda", dtype="bfloat16", max_batch_size=32)
     start = time.perf_counter()
-    before_ready(llm, tuple(METHODS), (None, "chunk"))
+    before_ready(llm)
     if not args.lazy:
         llm.runner.graphs.stop_capturing()
     print(f"warm-up {time.perf_counter() - start:.1f} s", flush=True)

@@ -39,7 +39,8 @@ serve_and_mix() {  # serve_and_mix NAME: start a server, time it to ready, run t
 }
 BENCH="python -m flash_dllm.cli bench mix"
 every_method() {
-  TAIL=40 step mix_every_method 240 $BENCH --rate 1 --requests "${MIX_REQUESTS:-30}" --mix-prompt-lengths 64 1024 3968 \
+  TAIL=40 step mix_every_method 240 $BENCH --rate 1 --requests "${MIX_REQUESTS:-30}" --mix-prompt-lengths 64 300 1024 3968 \
+      --mix-routings ${MIX_ROUTINGS:-dense chunk centroid kmeans window random} \
       --mix-max-tokens 32 128
 }
 SINGLE="--mix-methods flash-cache --mix-max-tokens 128 --mix-prompt-lengths 64 256 1024 3968"

@@ -44,19 +44,20 @@ def test_report_per_method_and_shape():
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the kernels, interpreted on the CPU")
 def test_no_kernel_variant_is_new_after_the_warm_up():
     """A scripted Elastic-Cache mix (the method that compiled most after ready on the H100; requests arriving
-    together, dense and routed in one batch, prompt lengths the warm-up did not run) after `serve`'s warm-up for its
-    methods and routings: no launch of a variant key the warm-up did not launch. The warm-up's synthetic passes
+    together, dense and routed in one batch, prompt lengths the warm-up did not run, and routing policies it did not
+    run: the chunk-scored one stands for the others) after `serve`'s warm-up for its method, dense and chunk-routed:
+    no launch of a variant key the warm-up did not launch. The warm-up's synthetic passes
     stop at the tile classes this mix can reach (at most 28 rows a request: row counts 1 and 32, the attention
     kernel's 16- and 32-row tiles; 1 and 4 requests a pass, which reach the GEMM-and-epilogue path of passes over
     64 rows)."""
     methods = ("elastic",)
-    spec = MixSpec(num_requests=4, rate=1e6, prompt_lengths=(12, 20), max_tokens=(8,), methods=methods,
-                   routings=(None, "chunk"), block_length=8, seed=0)
+    spec = MixSpec(num_requests=6, rate=1e6, prompt_lengths=(12, 20), max_tokens=(8,), methods=methods,
+                   routings=(None, "chunk", "centroid", "window", "random"), block_length=8, seed=0)
     requests = mix_requests(spec, vocab_size=320)
-    assert {r.kv_routing for r in requests} == {None, "chunk"} and {r.method for r in requests} == set(methods)
+    assert {r.kv_routing for r in requests} == set(spec.routings) and {r.method for r in requests} == set(methods)
     llm = LLM("random:llada-tiny", device="cpu", dtype="float32", kernels=True, max_batch_size=8,
               kv_cache_bytes=1 << 19)  # 512 rows: the warm-up's long-key passes stay short (CI time)
-    before_ready(llm, methods, spec.routings, prompt_lengths=(16,), max_tokens=(8,), block_length=8,
+    before_ready(llm, methods, (None, "chunk"), prompt_lengths=(16,), max_tokens=(8,), block_length=8,
                  row_counts=(1, 32), request_counts=(1, 4))
     result = run_offline(llm, spec, requests)
     assert all(a.ok and 0 < a.ttft_s <= a.e2e_s for a in result.answers), result.answers

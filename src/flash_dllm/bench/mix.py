@@ -229,9 +229,10 @@ def run_offline(llm, spec: MixSpec, requests: list[MixRequest] | None = None) ->
 
 
 def warm_up(llm, spec: MixSpec, requests: bool = True, capture_after_ready: bool = False) -> StartUpPhases | None:
-    """What `serve` does before ready (engine/warmup.py's `before_ready`), for the mix's methods, routings and
-    lengths, then no CUDA-graph captures; returns its phases' times. requests=False: as before issue 40, the KV
-    cache only (and with it, on CUDA, compile_kernels' dense passes): None.
+    """What `serve` does before ready (engine/warmup.py's `before_ready` with its defaults: every method and the
+    warm-up's own requests, none of the mix's shapes; the mix's block length), then no CUDA-graph captures;
+    returns its phases' times. requests=False: as before issue 40, the KV cache only (and with it, on CUDA,
+    compile_kernels' dense passes): None.
     capture_after_ready: graphs are still captured lazily during the mix (as before issue 40: the throughput
     that stopping the captures costs)."""
     from ..engine.warmup import before_ready
@@ -239,8 +240,7 @@ def warm_up(llm, spec: MixSpec, requests: bool = True, capture_after_ready: bool
     runner = llm.runner
     phases = None
     if requests:
-        phases = before_ready(llm, spec.methods, spec.routings, spec.prompt_lengths, spec.max_tokens,
-                              spec.block_length)
+        phases = before_ready(llm, block_length=spec.block_length)
     else:
         runner.allocate_cache(with_hidden=True)
     if runner.graphs is not None and not capture_after_ready:

@@ -241,26 +241,34 @@ class CompileProgress:
             self.bar.close()
 
 
-# Requests before ready: what compile_kernels' synthetic passes do not reach (routed passes and their routing
-# kernels, Elastic-Cache's drift test, chunk summaries, full passes, each method's own launches).
-WARM_UP_PROMPT_LENGTHS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
+# Requests before ready: what compile_kernels' synthetic passes do not reach (each method's own launches and
+# phases: full passes, Elastic-Cache's drift test and refreshes, Flash-Verify's views, routed first passes and their
+# chunk summaries). Which variants a request launches depends on its method, routing and phase, not on its prompt's
+# length or its batch (those only pick among the row, request and key classes compile_kernels runs). Measured on the
+# H100 (random LLaDA-8B, benchmarks/warm_up_anatomy.py): of 612 warm-up requests over 7 prompt lengths, alone and
+# batched, only the first call of a method and routing launched a variant compile_kernels had not; so each runs
+# the shortest prompt alone, then every length (the longest that fits) twice in one batch.
+WARM_UP_PROMPT_LENGTHS = (64, 8192)
 WARM_UP_MAX_TOKENS = (32,)
+# The routing kernels read a request's policy as data, except k-means, which launches its own (its regions): a
+# chunk-scored policy stands for the others (centroid, window, random launch the same variants).
+WARM_UP_ROUTINGS = (None, *ROUTED_POLICIES)
 
 
-def warm_up_requests(llm, methods: tuple[str, ...] | None = None, routings: tuple[str | None, ...] | None = None,
+def warm_up_requests(llm, methods: tuple[str, ...] | None = None,
+                     routings: tuple[str | None, ...] = WARM_UP_ROUTINGS,
                      prompt_lengths: tuple[int, ...] = WARM_UP_PROMPT_LENGTHS,
                      max_tokens: tuple[int, ...] = WARM_UP_MAX_TOKENS, block_length: int = 32) -> int:
-    """Run, through the first layer only and without CUDA graphs, a request of each method (default: every one
-    this model runs), routing (default: dense and every policy; cached methods only), generation length and
-    prompt length that fits (random token ids), alone and all prompt lengths twice in one batch: the kernel variants
-    they launch are compiled (loaded) here, not on a request's path. Every layer launches the variants of the
-    first. Returns how many requests ran. Call once the KV cache is allocated (`allocate_cache`)."""
-    from ..cache.routing import POLICIES
+    """Run, through the first layer only and without CUDA graphs, requests of each method (default: every one
+    this model runs), routing (cached methods only) and generation length: the shortest of `prompt_lengths`
+    alone, then each (or the longest the model and the cache hold) twice in one batch, of random token ids. The
+    kernel variants they launch are compiled (loaded) here, not on a request's path; every layer launches the
+    variants of the first. Returns how many requests ran. Call once the KV cache is allocated
+    (`allocate_cache`)."""
     from ..decoding.registry import METHODS, method_of
     from ..sampling_params import SamplingParams
 
     methods = tuple(METHODS) if methods is None else methods
-    routings = (None, *POLICIES) if routings is None else routings
     runner, engine = llm.runner, llm.engine
     rows = runner.cache.num_rows if runner.cache is not None else llm.config.max_position
     specials = {*llm.special.stop_ids, llm.special.mask_id}
@@ -277,10 +285,11 @@ def warm_up_requests(llm, methods: tuple[str, ...] | None = None, routings: tupl
                                             kv_routing=routing)
                 except ValueError:  # e.g. a generation length its blocks do not divide
                     continue
-                lengths = [n for n in prompt_lengths
-                           if n + tokens <= min(rows, llm.config.max_position) and _fits(engine, n, params)]
+                longest = min(rows, llm.config.max_position) - tokens
+                lengths = sorted({n for n in (min(n, longest) for n in prompt_lengths)
+                                  if n > 0 and _fits(engine, n, params)})
                 prompts = [[ids[i % len(ids)] for i in range(n)] for n in lengths]
-                for batch in [[p] for p in prompts] + [prompts * 2]:  # alone, and several in one batch
+                for batch in [prompts[:1], prompts * 2] if prompts else []:  # alone, and several in one batch
                     llm.generate(batch, params, use_tqdm=False)
                     ran += len(batch)
     finally:
@@ -368,7 +377,7 @@ class StartUpPhases:
                 f"requests {self.requests_s:.1f} s, {self.pass_graphs} steady-pass graphs {self.passes_s:.1f} s")
 
 
-def before_ready(llm, methods: tuple[str, ...] | None = None, routings: tuple[str | None, ...] | None = None,
+def before_ready(llm, methods: tuple[str, ...] | None = None, routings: tuple[str | None, ...] = WARM_UP_ROUTINGS,
                  prompt_lengths: tuple[int, ...] = WARM_UP_PROMPT_LENGTHS,
                  max_tokens: tuple[int, ...] = WARM_UP_MAX_TOKENS, block_length: int = 32,
                  row_counts: tuple[int, ...] = ROW_COUNTS, request_counts: tuple[int, ...] = REQUEST_COUNTS

@@ -463,7 +463,7 @@ def start_up(llm: LLM, defaults: ServerDefaults):
     not in the first client's latency. From then on no CUDA graph is captured: none on a request's path."""
     from ..engine.warmup import before_ready
 
-    phases = before_ready(llm)
+    phases = before_ready(llm, block_length=defaults.params.block_length)
     print(f"flash-dllm: start-up: {phases}", file=sys.stderr, flush=True)
     probe = llm.encode("Hello") if llm.tokenizer is not None else [1, 2, 3, 4]
     llm.generate([probe], defaults.params, use_tqdm=False)
