@@ -13,6 +13,9 @@
 #   PART=serve    `serve` (flash-cache defaults) timed to ready on this machine's Triton cache, then
 #                 `bench serve --mix` and /metrics after
 #   PART=cold     the same start-up with an empty Triton cache (TRITON_CACHE_DIR fresh): the <= 60 s budget
+#   PART=before_after  `bench serve --mix` (this checkout's client) against the server as it was before issue 40
+#                 (commit c6f99ee's src/, which the caller extracts into .before/ and carries:
+#                 `git archive c6f99ee src | tar -x -C .before`) and against this checkout's, the same mix
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}  # carried wheels (serve) stay on the path
@@ -22,7 +25,7 @@ FILTER="grep -v variant/s"
 MIX="--rate ${RATE:-3} --requests ${REQUESTS:-300} --mix-prompt-lengths 64 256 1024 3584 --mix-max-tokens 32 128 512"
 serve_and_mix() {  # serve_and_mix NAME: start a server, time it to ready, run the mix against it, keep /metrics
   local name=$1 start=$SECONDS
-  python -m flash_dllm.cli serve --model random:llada-8b --method flash-cache --max-batch 32 --port 8123 \
+  PYTHONPATH=${SERVE_SRC:+$SERVE_SRC:}$PYTHONPATH python -m flash_dllm.cli serve --model random:llada-8b --method flash-cache --max-batch 32 --port 8123 \
       > "$OUT/${name}_server.txt" 2>&1 &
   local pid=$!
   until curl -sf localhost:8123/health > /dev/null; do
@@ -66,4 +69,8 @@ serve)
 cold)
   export TRITON_CACHE_DIR=$(mktemp -d)
   MIX_RUN=0 serve_and_mix cold ;;
+before_after)
+  [ -d .before/src ] || { echo "no .before/src: extract commit c6f99ee's src there and carry it"; exit 1; }
+  SERVE_SRC=$PWD/.before/src serve_and_mix before
+  serve_and_mix after ;;
 esac
