@@ -32,12 +32,12 @@ def test_report_per_method_and_shape():
     row = MixResult(answers, wall_s=4.0).group_rows()[0]
     assert row[:4] == ("flash-cache", "dense", 4, 0) and row[7:] == ("1.000", "2.000", "2.000", "2.00")
     assert "| 4 | 0 | 4.0 | 1.00 | 32.0 | 0 |" in format_report(MixResult(answers, wall_s=4.0))
-    prefill, steady = StepShape("flash-cache", 2, True), StepShape("flash-cache", 2, False)
+    prefill, steady = StepShape("flash-cache", 2, 1024), StepShape("flash-cache", 2, 32)
     steps = [(0.5, prefill), (0.010, steady), (0.010, steady), (0.030, steady)]
     report = format_report(MixResult(answers, wall_s=4.0, steps=steps))
     assert "| 0 | 0.00 | 0 | 0.00 | 3.00 |" in report  # the worst steady step: 3x its shape's median, not the prefill
-    assert "| flash-cache | 2 | True | 1 | 500.0 | 1.00 |" in report
-    assert "| flash-cache | 2 | False | 3 | 10.0 | 3.00 |" in report
+    assert "| flash-cache | 2 | 1024 | 1 | 500.0 | 1.00 |" in report
+    assert "| flash-cache | 2 | 32 | 3 | 10.0 | 3.00 |" in report
     assert metric_sums('# HELP x y\nx{replica="0"} 1\nx{replica="1"} 2.5\nz 3\n') == {"x": 3.5, "z": 3.0}
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from flash_dllm.engine.counters import (COUNTERS, Counters, ReadyMark, StepLog, StepShape, Tally,
-                                        install_compile_hooks, percentile, step_ratios)
+                                        install_compile_hooks, percentile, step_ratios, work_class)
 
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="counts interpreted launches")
 
@@ -33,17 +33,38 @@ def test_ready_mark_counts_what_follows_it():
     assert mark.after_by_name() == {("compiles", "a"): Tally(2, 1.0), ("captures", "b"): Tally(1, 0.5)}
 
 
+def test_a_steps_work_class_is_its_query_rows_to_a_power_of_two():
+    assert [work_class(n) for n in (0, 1, 2, 3, 32, 33, 4096, 4097)] == [1, 1, 2, 4, 32, 64, 4096, 8192]
+
+
+def test_the_engine_classes_each_step_by_the_rows_it_computed():
+    """Dual-cache: each block starts with a full pass over the sequence (a prefill's work), its other steps
+    compute the block; both are told apart from the step's query rows."""
+    from flash_dllm import LLM, SamplingParams
+
+    llm = LLM("random:llada-tiny", device="cpu", dtype="float32")
+    shapes, step_batch = [], llm.engine.step_batch
+    llm.engine.step_batch = lambda turn: (step_batch(turn), shapes.append(llm.engine.last_step))[0]
+    params = SamplingParams(method="dual-cache", max_tokens=16, block_length=8, threshold=1.0)
+    llm.generate([list(range(20, 120))], params, use_tqdm=False)
+    assert shapes[0] == StepShape("dual-cache", 1, work_class(116))  # the prompt and the canvas
+    assert {shape.query_rows for shape in shapes} == {work_class(116), work_class(8)}
+    assert sum(shape.query_rows == 128 for shape in shapes) == 2  # one full pass per block
+
+
 def test_a_step_is_measured_against_the_median_of_its_shape():
     log = StepLog(window_s=60)
-    small, large, other = StepShape("flash-cache", 8, False), StepShape("flash-cache", 32, False), \
-        StepShape("elastic", 8, False)
+    small, large, other = StepShape("flash-cache", 8, 256), StepShape("flash-cache", 32, 1024), \
+        StepShape("elastic", 8, 256)
     for seconds, shape in [(0.010, small), (0.012, small), (0.011, small), (0.050, large), (0.040, large),
                            (0.045, large), (0.030, other), (0.030, other)]:
         log.record(seconds, shape, now=100.0)
     assert log.longest(now=100.0) == (0.050, pytest.approx(0.050 / 0.045))  # elastic's steps are not flash-cache's
     log.record(0.033, small, now=100.0)  # 3x the median of its shape, though shorter than batch 32's steps
     assert log.longest(now=100.0) == (0.050, pytest.approx(0.033 / 0.0115))
-    log.record(0.500, StepShape("flash-cache", 8, True), now=100.0)  # a prefill: the longest, but not steady
+    prefill = StepShape("flash-cache", 8, 8192)
+    for seconds in (0.500, 0.450):  # prefills: the longest steps, against prefills' median
+        log.record(seconds, prefill, now=100.0)
     assert log.longest(now=100.0) == (0.500, pytest.approx(0.033 / 0.0115))
     assert step_ratios([(s, shape) for _, s, shape in log.steps])[small] == (4, 0.0115, pytest.approx(0.033 / 0.0115))
     assert log.longest(now=200.0) == (0.0, 0.0)  # a minute later: none

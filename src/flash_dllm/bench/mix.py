@@ -5,8 +5,8 @@ Each request's time to its first streamed chunk (TTFT) and to its end, both from
 both per method and routing; for requests of equal shape (method, routing, prompt and generation length) the
 worst p99/p50 of end-to-end latency; the kernel compiles and CUDA-graph captures after ready and their time
 (engine/counters.py: from /metrics before and after, or in process); the steps' times per method, batch size and
-whether a row ran its first pass (offline: each step; server: the worst steady step of each minute over its
-shape's median, from /metrics while the mix runs).
+work (`StepShape`; offline: each step; server: the worst step of each minute over its shape's median, from
+/metrics while the mix runs).
 
 Prompts are random token ids (a seeded stream per request); answers are not checked (`bench serve` checks them).
 """
@@ -114,7 +114,7 @@ class MixResult:
     compiles: tuple[int, float] = (0, 0.0)   # after ready: (count, seconds)
     captures: tuple[int, float] = (0, 0.0)
     steps: list[tuple[float, StepShape]] = field(default_factory=list)  # offline: each step's seconds and shape
-    longest_step: tuple[float, float] = (0.0, 0.0)  # (seconds, the worst steady step over its shape's median)
+    longest_step: tuple[float, float] = (0.0, 0.0)  # (seconds, the worst step over its shape's median)
     # offline: the compiles and captures after ready per (kind, kernel or graph key)
     after_ready: dict = field(default_factory=dict)
 
@@ -138,8 +138,7 @@ class MixResult:
 
     def summary_row(self) -> tuple:
         tokens = sum(a.tokens for a in self.ok)
-        steady = [ratio for shape, (_, _, ratio) in step_ratios(self.steps).items() if not shape.first_pass]
-        worst = max(steady, default=self.longest_step[1])
+        worst = max((ratio for _, _, ratio in step_ratios(self.steps).values()), default=self.longest_step[1])
         return (len(self.answers), len(self.answers) - len(self.ok), f"{self.wall_s:.1f}",
                 f"{len(self.ok) / self.wall_s:.2f}", f"{tokens / self.wall_s:.1f}", self.compiles[0],
                 f"{self.compiles[1]:.2f}", self.captures[0], f"{self.captures[1]:.2f}", f"{worst:.2f}")
@@ -148,8 +147,8 @@ class MixResult:
 GROUP_HEADER = ("method", "routing", "requests", "errors", "TTFT p50 s", "TTFT p90 s", "TTFT p99 s", "e2e p50 s",
                 "e2e p90 s", "e2e p99 s", "worst shape p99/p50")
 SUMMARY_HEADER = ("requests", "errors", "wall s", "requests/s", "tokens/s", "compiles after ready", "compile s",
-                  "captures after ready", "capture s", "longest steady step / median of its shape")
-STEP_HEADER = ("method", "batch size", "first pass", "steps", "median step ms", "longest / median")
+                  "captures after ready", "capture s", "longest step / median of its shape")
+STEP_HEADER = ("method", "batch size", "query rows (to a power of 2)", "steps", "median step ms", "longest / median")
 
 
 def worst_shape_ratio(answers: list[MixAnswer]) -> float:

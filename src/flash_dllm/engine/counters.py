@@ -101,12 +101,20 @@ class ReadyMark:
 
 
 class StepShape(NamedTuple):
-    """What an engine step's time is compared within: its method and batch size, and whether some row ran its
-    first (full) pass, a prompt-length prefill that takes longer than the steady steps it precedes."""
+    """What an engine step's time is compared within: its method, batch size and work, the query rows its passes
+    computed (full-depth rows, summed over the batch) rounded up to a power of two (`work_class`). A dLLM step's
+    work varies by design: a first pass, a dual-cache block's full pass or an Elastic-Cache refresh computes a
+    sequence's length of rows, a steady step a window. A stall (a compile, a capture, an eager step among replayed
+    ones) is a step slower than the others of its work."""
 
     method: str
     batch_size: int
-    first_pass: bool
+    query_rows: int
+
+
+def work_class(query_rows: int) -> int:
+    """StepShape.query_rows of a step that computed `query_rows` rows: the power of two at or above."""
+    return 1 << max(0, query_rows - 1).bit_length()
 
 
 class StepLog:
@@ -125,14 +133,14 @@ class StepLog:
                 self.steps.popleft()
 
     def longest(self, now: float | None = None) -> tuple[float, float]:
-        """(seconds of the longest step of the window, the largest ratio of a steady step (no first pass) to the
-        median of its shape there); (0, 0) without steps."""
+        """(seconds of the longest step of the window, the largest ratio of a step to the median of its shape
+        there); (0, 0) without steps."""
         now = time.perf_counter() if now is None else now
         with self._lock:
             steps = [(seconds, shape) for end, seconds, shape in self.steps if now - end <= self.window_s]
         if not steps:
             return 0.0, 0.0
-        ratios = [ratio for shape, (_, _, ratio) in step_ratios(steps).items() if not shape.first_pass]
+        ratios = [ratio for _, _, ratio in step_ratios(steps).values()]
         return max(seconds for seconds, _ in steps), max(ratios, default=0.0)
 
 

@@ -22,7 +22,7 @@ from ..cache import CacheAllocator
 from ..decoding.registry import METHODS, method_of
 from ..sampling_params import SamplingParams
 from ..tokenizer import SpecialTokens
-from .counters import StepShape
+from .counters import StepShape, work_class
 from .model_runner import ModelRunner
 from .scheduler import Scheduler
 from .sequence import Sequence, SequenceStatus
@@ -50,7 +50,7 @@ class LLMEngine:
         self.scheduler = Scheduler(max_batch_size)
         self.batches: dict[tuple, RunningBatch] = {}  # by batch_key, in order of creation
         self.current: RunningBatch | None = None  # the one that stepped last
-        self.last_step: StepShape | None = None   # its method, rows and whether one ran its first pass
+        self.last_step: StepShape | None = None   # its method, rows and work
         self.allocator: CacheAllocator | None = None
         self.stop_ids = torch.tensor(special.stop_ids, device=self.device)
         self._request_ids = itertools.count()
@@ -157,8 +157,17 @@ class LLMEngine:
 
     def _step(self, group: RunningBatch) -> list[Sequence]:
         self._refresh_batch(group)
-        method, runner, batch = method_of(group.batch.params.method), self.runner, group.batch
-        self.last_step = StepShape(method.name, len(batch.rows), any(row.is_first_pass for row in batch.rows))
+        method, batch = method_of(group.batch.params.method), group.batch
+        rows = list(batch.rows)
+        before = sum(row.query_rows for row in rows)
+        try:
+            return self._run_step(method, batch, group)
+        finally:  # the rows' query counts advance on the host, also where the step replays from a graph
+            self.last_step = StepShape(method.name, len(rows),
+                                       work_class(sum(row.query_rows for row in rows) - before))
+
+    def _run_step(self, method, batch: DecodeBatch, group: RunningBatch) -> list[Sequence]:
+        runner = self.runner
         if not method.replayable:
             method.step(runner, batch)
             return self._collect_finished(group, *self._finish_state(batch))
