@@ -106,3 +106,14 @@ def test_kmeans_of_many_groups_is_computed_a_slice_at_a_time(monkeypatch):
     whole = kmeans_assignment(keys, 24)
     monkeypatch.setattr(regions_module, "MAX_SIMILARITIES", 2 * 96 * 4)  # two groups a slice
     assert torch.equal(kmeans_assignment(keys, 24), whole)
+
+
+def test_kmeans_of_keys_padded_past_the_valid_ones_is_that_of_the_valid_ones():
+    """A pass wider than a request's keys (another request's range is longer) clusters them as their own width does:
+    update_kmeans runs k-means over the reclustering requests' keys alone."""
+    keys, _ = clustered_keys(groups=3)
+    valid = torch.arange(keys.shape[1]) < torch.tensor([96, 70, 50])[:, None]
+    padded = torch.cat([keys, torch.randn(3, 160, keys.shape[2], generator=torch.Generator().manual_seed(1))], dim=1)
+    wide = kmeans_assignment(padded, 24, torch.cat([valid, torch.zeros(3, 160, dtype=torch.bool)], dim=1))
+    assert torch.equal(wide[:, :keys.shape[1]], kmeans_assignment(keys, 24, valid))
+    assert (wide[:, keys.shape[1]:] == -1).all() and (wide[:, :keys.shape[1]][valid] >= 0).all()
