@@ -218,8 +218,8 @@ def update_kmeans(k_cache: torch.Tensor, v_cache: torch.Tensor, summaries: torch
     kept = keys.routable[:, None, :] & routing.rebuilds[:, None, None]
     assign = assignment[keys.key_index].long().transpose(1, 2).masked_fill(~kept, -1)
     if any(routing.recluster_lengths):
-        # k-means over those requests' own keys, not the pass's widest range (its sequential seeding and
-        # similarities grow with the width: a short prompt's prefill beside a 4k one took 1.2 s on the H100)
+        # k-means over those requests' own keys, not the pass's widest range: its sequential seeding and its
+        # similarities grow with the width, and the regions are the same (keys past a group's valid ones are unused)
         who = [b for b, length in enumerate(routing.recluster_lengths) if length]
         width, index = max(routing.recluster_lengths), torch.tensor(who, device=k_cache.device)
         own = grouped.view(B, Hkv, K, D)[index, :, :width].flatten(0, 1)
