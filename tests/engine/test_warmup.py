@@ -12,7 +12,7 @@ import torch
 from flash_dllm import LLM, SamplingParams
 from flash_dllm.cache import KVCache
 from flash_dllm.engine.cuda_graphs import CudaGraphs
-from flash_dllm.engine.warmup import CompileProgress, capture_steady_passes, compile_kernels
+from flash_dllm.engine.warmup import CompileProgress, capture_steady_passes, compile_kernels, warm_up_requests
 
 
 def test_compile_kernels_runs_every_pass_kind_once_per_model(gqa_checkpoint):
@@ -98,3 +98,28 @@ def test_a_requests_steady_passes_find_a_graph_captured_before_ready(method, pre
         assert {key[0] for key in passes - captured} == {prompt_length + 24}, prompt_length
         assert passes & captured
         graphs.keys = set()
+
+
+def test_the_warm_up_requests_run_every_method_and_kind_of_routing_alone_and_batched():
+    """Each method dense, each cached one also chunk- and k-means-routed (the other policies launch the chunk
+    policy's variants); the shortest prompt alone, then it and the longest the model holds, twice each, in one
+    batch, through the first layer."""
+    from flash_dllm.decoding.registry import METHODS, method_of
+
+    llm = LLM("random:llada-tiny", device="cpu", dtype="float32")
+    calls, generate = [], llm.generate
+
+    def recorded(prompts, params, **options):
+        calls.append((params.method, params.kv_routing, [len(p) for p in prompts], len(llm.model.layers)))
+        return generate(prompts, params, **options)
+
+    llm.generate = recorded
+    ran = warm_up_requests(llm, prompt_lengths=(16, 100_000))
+    longest = llm.config.max_position - 32
+    runs = {(m, r) for m in METHODS for r in (None, "chunk", "kmeans") if r is None or method_of(m).uses_cache}
+    assert [(m, r) for m, r, _, _ in calls[::2]] == [(m, r) for m, r, _, _ in calls[1::2]]
+    assert {(m, r) for m, r, _, _ in calls} == runs and len(calls) == 2 * len(runs)
+    assert all(lengths == ([16] if i % 2 == 0 else [16, longest, 16, longest]) for i, (_, _, lengths, _) in
+               enumerate(calls))
+    assert {layers for *_, layers in calls} == {1} and ran == 5 * len(runs)
+    assert len(llm.model.layers) == llm.config.num_layers
