@@ -246,8 +246,10 @@ class CompileProgress:
 # chunk summaries). Which variants a request launches depends on its method, routing and phase, not on its prompt's
 # length or its batch (those only pick among the row, request and key classes compile_kernels runs). Measured on the
 # H100 (random LLaDA-8B, benchmarks/warm_up_anatomy.py): of 612 warm-up requests over 7 prompt lengths, alone and
-# batched, only the first call of a method and routing launched a variant compile_kernels had not; so each runs
-# the shortest prompt alone, then every length (the longest that fits) twice in one batch.
+# batched, only the first call of a method and routing launched a variant compile_kernels had not (and none of an
+# uncached method, whose passes are full passes); so each runs the shortest prompt alone, then every length (the
+# longest that fits) twice in one batch. An uncached method runs the shortest only: a long prompt's full passes
+# compute fp32 logits over the vocabulary at every position, the warm-up's costliest calls, for no new variant.
 WARM_UP_PROMPT_LENGTHS = (64, 8192)
 WARM_UP_MAX_TOKENS = (32,)
 # The routing kernels read a request's policy as data, except k-means, which launches its own (its regions): a
@@ -261,7 +263,8 @@ def warm_up_requests(llm, methods: tuple[str, ...] | None = None,
                      max_tokens: tuple[int, ...] = WARM_UP_MAX_TOKENS, block_length: int = 32) -> int:
     """Run, through the first layer only and without CUDA graphs, requests of each method (default: every one
     this model runs), routing (cached methods only) and generation length: the shortest of `prompt_lengths`
-    alone, then each (or the longest the model and the cache hold) twice in one batch, of random token ids. The
+    alone, then each (or the longest the model and the cache hold; an uncached method: the shortest) twice in
+    one batch, of random token ids. The
     kernel variants they launch are compiled (loaded) here, not on a request's path; every layer launches the
     variants of the first. Returns how many requests ran. Call once the KV cache is allocated
     (`allocate_cache`)."""
@@ -288,6 +291,8 @@ def warm_up_requests(llm, methods: tuple[str, ...] | None = None,
                 longest = min(rows, llm.config.max_position) - tokens
                 lengths = sorted({n for n in (min(n, longest) for n in prompt_lengths)
                                   if n > 0 and _fits(engine, n, params)})
+                if not method_of(method).uses_cache:  # full passes only: the cost of a long prompt, no variant
+                    lengths = lengths[:1]
                 prompts = [[ids[i % len(ids)] for i in range(n)] for n in lengths]
                 for batch in [prompts[:1], prompts * 2] if prompts else []:  # alone, and several in one batch
                     llm.generate(batch, params, use_tqdm=False)
