@@ -86,6 +86,7 @@ class PromptRouting:
     rebuilding: tuple[bool, ...]  # host: `rebuilds`
     recluster_lengths: tuple[int, ...]  # host: of those, one without regions yet (its prefill), where k-means runs:
                                         # its sequence's length (else 0)
+    recluster_index: torch.Tensor  # [requests with a length above] long: their indices, ascending
     batch_row: torch.Tensor    # [B] long: each request's row of the decode batch (the accumulators' index)
     keys_read: torch.Tensor    # [batch rows] long: prompt keys read, summed over passes, layers and KV heads
     keys_dense: torch.Tensor   # [batch rows] long: the same, had every prompt key been read
@@ -122,7 +123,8 @@ class PromptRouting:
                                         for policy, rows, length, prompt in zip(policies, row_counts, lengths,
                                                                                 prompt_lens)),
                    row_request, prompt_rows, counts == 0, constant(list(rebuilds)).bool(), rebuilds,
-                   recluster_lengths, batch_row, keys_read, keys_dense)
+                   recluster_lengths, constant([b for b, length in enumerate(recluster_lengths) if length]),
+                   batch_row, keys_read, keys_dense)
 
     def leading(self, groups: int, rows: int) -> PromptRouting:
         """The routing of a pass's first `groups` requests, which own its first `rows` query rows."""
@@ -130,7 +132,9 @@ class PromptRouting:
             self, prompt_len=self.prompt_len[:groups], top_k=self.top_k[:groups], policy=self.policy[:groups],
             row_request=self.row_request[:rows], prompt_rows=self.prompt_rows[:rows], pure=self.pure[:groups],
             rebuilds=self.rebuilds[:groups], rebuilding=self.rebuilding[:groups],
-            recluster_lengths=self.recluster_lengths[:groups], batch_row=self.batch_row[:groups])
+            recluster_lengths=self.recluster_lengths[:groups],
+            recluster_index=self.recluster_index[:sum(map(bool, self.recluster_lengths[:groups]))],
+            batch_row=self.batch_row[:groups])
 
     @property
     def any_rebuild(self) -> bool:
@@ -220,11 +224,10 @@ def update_kmeans(k_cache: torch.Tensor, v_cache: torch.Tensor, summaries: torch
     if any(routing.recluster_lengths):
         # k-means over those requests' own keys, not the pass's widest range: its sequential seeding and its
         # similarities grow with the width, and the regions are the same (keys past a group's valid ones are unused)
-        who = [b for b, length in enumerate(routing.recluster_lengths) if length]
-        width, index = max(routing.recluster_lengths), torch.tensor(who, device=k_cache.device)
+        index, width = routing.recluster_index, max(routing.recluster_lengths)
         own = grouped.view(B, Hkv, K, D)[index, :, :width].flatten(0, 1)
         valid = keys.routable[index, :width].repeat_interleave(Hkv, dim=0)
-        assign[index, :, :width] = kmeans_assignment(own, CHUNK, valid).view(len(who), Hkv, width)
+        assign[index, :, :width] = kmeans_assignment(own, CHUNK, valid).view(len(index), Hkv, width)
     C = keys.cache_chunk.shape[1]
     centroids, lower, upper, sizes = region_summaries(grouped, assign.flatten(0, 1), C)
     parts = torch.stack([lower, upper, centroids], dim=1).view(B, Hkv, 3, C, D).permute(0, 3, 2, 1, 4)

@@ -243,12 +243,13 @@ class CompileProgress:
 
 # Requests before ready: what compile_kernels' synthetic passes do not reach (each method's own launches and
 # phases: full passes, Elastic-Cache's drift test and refreshes, Flash-Verify's views, routed first passes and their
-# chunk summaries). Which variants a request launches depends on its method, routing and phase, not on its prompt's
-# length or its batch (those only pick among the row, request and key classes compile_kernels runs). Measured on the
+# chunk summaries). Which variants a request launches depends on its method, routing, phase and batch, not on its
+# prompt's length (which only picks among the row and key classes compile_kernels runs). Measured on the
 # H100 (random LLaDA-8B, benchmarks/warm_up_anatomy.py): of 612 warm-up requests over 7 prompt lengths, alone and
 # batched, only the first call of a method and routing launched a variant compile_kernels had not (and none of an
 # uncached method, whose passes are full passes); so each runs the shortest prompt alone, then every length (the
-# longest that fits) twice in one batch. An uncached method runs the shortest only: a long prompt's full passes
+# longest that fits) twice in one batch (without that batch, the interpreted mix of tests/bench/test_mix.py meets a
+# new variant). An uncached method runs the shortest only: a long prompt's full passes
 # compute fp32 logits over the vocabulary at every position, the warm-up's costliest calls, for no new variant.
 WARM_UP_PROMPT_LENGTHS = (64, 8192)
 WARM_UP_MAX_TOKENS = (32,)
@@ -264,10 +265,9 @@ def warm_up_requests(llm, methods: tuple[str, ...] | None = None,
     """Run, through the first layer only and without CUDA graphs, requests of each method (default: every one
     this model runs), routing (cached methods only) and generation length: the shortest of `prompt_lengths`
     alone, then each (or the longest the model and the cache hold; an uncached method: the shortest) twice in
-    one batch, of random token ids. The
-    kernel variants they launch are compiled (loaded) here, not on a request's path; every layer launches the
-    variants of the first. Returns how many requests ran. Call once the KV cache is allocated
-    (`allocate_cache`)."""
+    one batch, of random token ids. The kernel variants they launch are compiled (loaded) here, not on a request's
+    path; every layer launches the variants of the first. Returns how many requests ran. Call once the KV cache
+    is allocated (`allocate_cache`)."""
     from ..decoding.registry import METHODS, method_of
     from ..sampling_params import SamplingParams
 
