@@ -1,13 +1,17 @@
-"""Compiles (under the interpreter: first launches of a variant key), captures and steps, counted after ready."""
+"""Compiles (under the interpreter: first launches of a variant key), captures, full garbage collections and steps,
+counted after ready."""
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
 import torch
 
 from flash_dllm.engine.counters import (COUNTERS, Counters, ReadyMark, StepLog, StepShape, Tally,
-                                        install_compile_hooks, percentile, step_ratios, work_class)
+                                        install_collection_hook, install_compile_hooks, percentile, step_ratios,
+                                        work_class)
+from flash_dllm.engine.warmup import freeze_heap
 
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="counts interpreted launches")
 
@@ -31,6 +35,40 @@ def test_ready_mark_counts_what_follows_it():
     assert (after["captures"].count, after["captures"].seconds) == (1, 0.5)
     counters.record("compiles", 0.75, "a")
     assert mark.after_by_name() == {("compiles", "a"): Tally(2, 1.0), ("captures", "b"): Tally(1, 0.5)}
+
+
+def test_full_garbage_collections_are_counted_and_younger_ones_not():
+    install_collection_hook()
+    install_collection_hook()  # idempotent: one count per collection
+    mark = ReadyMark()
+    mark.mark()
+    gc.collect(0)
+    gc.collect(1)
+    assert mark.after()["collections"] == Tally()
+    gc.collect()
+    gc.collect(2)
+    after = mark.after()["collections"]
+    assert after.count == 2 and after.seconds > 0
+    assert mark.after_by_name() == {("collections", "full"): after}
+
+
+def test_a_collection_inside_a_record_is_counted_too():
+    """The collector may run (and record) while the same thread is recording: the lock is re-entrant."""
+    counters = Counters()
+    with counters._lock:
+        counters.record("collections", 0.5, "full")
+    assert counters.snapshot()["collections"] == Tally(1, 0.5)
+
+
+def test_the_heap_a_start_up_leaves_is_frozen_out_of_later_collections():
+    survivor = [[] for _ in range(100)]  # noqa: F841  alive at the freeze
+    try:
+        freeze_heap()
+        assert gc.get_freeze_count() > 100 and not any(o is survivor for o in gc.get_objects())
+        fresh = [[]]
+        assert any(o is fresh for o in gc.get_objects())  # allocated since: collected as before
+    finally:
+        gc.unfreeze()
 
 
 def test_a_steps_work_class_is_its_query_rows_to_a_power_of_two():

@@ -225,7 +225,8 @@ def test_metrics(client):
     for name in ("requests_total", "requests_waiting", "tokens_per_second", "nfe_total", "tokens_per_step",
                  "kv_cache_usage_ratio", "generated_tokens_total", "start_up_seconds",
                  "kernel_compiles_after_ready_total", "kernel_compile_seconds_after_ready_total",
-                 "graph_captures_after_ready_total", "graph_capture_seconds_after_ready_total", "step_seconds_max",
+                 "graph_captures_after_ready_total", "graph_capture_seconds_after_ready_total",
+                 "gc_collections_after_ready_total", "gc_collection_seconds_after_ready_total", "step_seconds_max",
                  "step_seconds_max_ratio"):
         assert f"# TYPE flash_dllm_{name} " in text
     # the CPU's PyTorch path compiles and captures nothing; its steps were timed
@@ -408,3 +409,18 @@ def test_bench_serve_mix_reads_ttft_and_the_counters(server):
     assert [a.ok for a in result.answers] == [True] * 3, [a.error for a in result.answers]
     assert all(0 < a.ttft_s <= a.e2e_s for a in result.answers)
     assert result.compiles == (0, 0.0) and result.captures == (0, 0.0) and result.longest_step[0] > 0
+
+
+def test_the_start_up_freezes_what_it_leaves_out_of_later_collections():
+    """A full garbage collection mid-step traverses every object alive: after the start-up, only newer ones."""
+    import gc
+
+    from flash_dllm.serve.api_server import start_up
+    from flash_dllm.serve.protocol import ServerDefaults
+
+    llm = LLM(device="cpu", dtype="float32")
+    try:
+        start_up(llm, ServerDefaults(SamplingParams(max_tokens=8, block_length=8)))
+        assert gc.get_freeze_count() > 0 and not any(o is llm.engine for o in gc.get_objects())
+    finally:
+        gc.unfreeze()

@@ -3,7 +3,8 @@ process, against a server (`flash-dllm bench serve --mix`) or offline through th
 
 Each request's time to its first streamed chunk (TTFT) and to its end, both from its arrival; p50/p90/p99 of
 both per method and routing; for requests of equal shape (method, routing, prompt and generation length) the
-worst p99/p50 of end-to-end latency; the kernel compiles and CUDA-graph captures after ready and their time
+worst p99/p50 of end-to-end latency; the kernel compiles, CUDA-graph captures and full garbage collections
+after ready and their time
 (engine/counters.py: from /metrics before and after, or in process); the steps' times per method, batch size and
 work (`StepShape`; offline: each step; server: the worst step of each minute over its shape's median, from
 /metrics while the mix runs).
@@ -113,9 +114,10 @@ class MixResult:
     wall_s: float
     compiles: tuple[int, float] = (0, 0.0)   # after ready: (count, seconds)
     captures: tuple[int, float] = (0, 0.0)
+    collections: tuple[int, float] = (0, 0.0)
     steps: list[tuple[float, StepShape]] = field(default_factory=list)  # offline: each step's seconds and shape
     longest_step: tuple[float, float] = (0.0, 0.0)  # (seconds, the worst step over its shape's median)
-    # offline: the compiles and captures after ready per (kind, kernel or graph key)
+    # offline: the compiles, captures and collections after ready per (kind, kernel, graph key or "full")
     after_ready: dict = field(default_factory=dict)
 
     @property
@@ -141,13 +143,15 @@ class MixResult:
         worst = max((ratio for _, _, ratio in step_ratios(self.steps).values()), default=self.longest_step[1])
         return (len(self.answers), len(self.answers) - len(self.ok), f"{self.wall_s:.1f}",
                 f"{len(self.ok) / self.wall_s:.2f}", f"{tokens / self.wall_s:.1f}", self.compiles[0],
-                f"{self.compiles[1]:.2f}", self.captures[0], f"{self.captures[1]:.2f}", f"{worst:.2f}")
+                f"{self.compiles[1]:.2f}", self.captures[0], f"{self.captures[1]:.2f}", self.collections[0],
+                f"{self.collections[1]:.2f}", f"{worst:.2f}")
 
 
 GROUP_HEADER = ("method", "routing", "requests", "errors", "TTFT p50 s", "TTFT p90 s", "TTFT p99 s", "e2e p50 s",
                 "e2e p90 s", "e2e p99 s", "worst shape p99/p50")
 SUMMARY_HEADER = ("requests", "errors", "wall s", "requests/s", "tokens/s", "compiles after ready", "compile s",
-                  "captures after ready", "capture s", "longest step / median of its shape")
+                  "captures after ready", "capture s", "full GCs after ready", "GC s",
+                  "longest step / median of its shape")
 STEP_HEADER = ("method", "batch size", "query rows (to a power of 2)", "steps", "median step ms", "longest / median")
 
 
@@ -223,18 +227,20 @@ def run_offline(llm, spec: MixSpec, requests: list[MixRequest] | None = None) ->
                                                len(seq.output_ids))
     wall = time.perf_counter() - start
     after = mark.after()
-    return MixResult([answers[r.index] for r in requests], wall, (after["compiles"].count, after["compiles"].seconds),
-                     (after["captures"].count, after["captures"].seconds), steps, after_ready=mark.after_by_name())
+    tally = lambda kind: (after[kind].count, after[kind].seconds)
+    return MixResult([answers[r.index] for r in requests], wall, tally("compiles"), tally("captures"),
+                     tally("collections"), steps, after_ready=mark.after_by_name())
 
 
 def warm_up(llm, spec: MixSpec, requests: bool = True, capture_after_ready: bool = False) -> StartUpPhases | None:
     """What `serve` does before ready (engine/warmup.py's `before_ready` with its defaults: every method and the
     warm-up's own requests, none of the mix's shapes; the mix's block length), then no CUDA-graph captures;
-    returns its phases' times. requests=False: as before issue 40, the KV cache only (and with it, on CUDA,
-    compile_kernels' dense passes): None.
+    returns its phases' times; and what the start-up left is frozen out of later garbage collections
+    (`freeze_heap`). requests=False: as before issue 40, the KV cache only (and with it, on CUDA,
+    compile_kernels' dense passes), nothing frozen: None.
     capture_after_ready: graphs are still captured lazily during the mix (as before issue 40: the throughput
     that stopping the captures costs)."""
-    from ..engine.warmup import before_ready
+    from ..engine.warmup import before_ready, freeze_heap
 
     runner = llm.runner
     phases = None
@@ -244,6 +250,8 @@ def warm_up(llm, spec: MixSpec, requests: bool = True, capture_after_ready: bool
         runner.allocate_cache(with_hidden=True)
     if runner.graphs is not None and not capture_after_ready:
         runner.graphs.stop_capturing()
+    if requests:
+        freeze_heap()
     return phases
 
 
@@ -331,6 +339,7 @@ async def run_online(config: MixServeConfig) -> MixResult:
     return MixResult(list(answers), wall,
                      (int(delta("kernel_compiles_after_ready_total")), delta("kernel_compile_seconds_after_ready_total")),
                      (int(delta("graph_captures_after_ready_total")), delta("graph_capture_seconds_after_ready_total")),
+                     (int(delta("gc_collections_after_ready_total")), delta("gc_collection_seconds_after_ready_total")),
                      longest_step=max(longest, key=lambda s: s[1]))
 
 

@@ -11,6 +11,9 @@ so its counts are its own):
   options). So a CPU test sees which variants a request would compile on the GPU.
 - captures: each CUDA graph captured (engine/cuda_graphs.py), with its host time (its eager first run
   included where the capture runs one).
+- collections: each full collection of Python's cyclic garbage collector (its oldest generation), which stops the
+  engine's thread while it traverses every tracked object (about 0.1 s for a tiny model's process on a slow CPU;
+  a server freezes what its start-up left, engine/warmup.freeze_heap, so that later ones traverse only newer ones).
 `ReadyMark` takes a baseline when a server (or a benchmark) reports ready: what is counted after it happened on
 a request's path. `StepLog` keeps the engine's steps of the last minute (their time and `StepShape`).
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import inspect
 import logging
 import math
@@ -28,7 +32,7 @@ from collections import deque
 from typing import NamedTuple
 
 log = logging.getLogger("flash_dllm.counters")
-KINDS = ("compiles", "captures")
+KINDS = ("compiles", "captures", "collections")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +48,7 @@ class Counters:
     """Process-wide tallies of compiles and captures: per kind, and per (kind, name)."""
 
     def __init__(self):
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a collection's count may be recorded by a thread already recording
         self._tallies = {kind: Tally() for kind in KINDS}
         self._by_name: dict[tuple[str, str], Tally] = {}
 
@@ -154,6 +158,26 @@ def step_ratios(steps: list[tuple[float, StepShape]]) -> dict[StepShape, tuple[i
         median = statistics.median(times)
         out[shape] = (len(times), median, max(times) / median if median > 0 else 0.0)
     return out
+
+
+# The hook into Python's garbage collector.
+
+_collection_start: list[float] = []
+
+
+def install_collection_hook():
+    """Count full garbage collections into COUNTERS from now on (idempotent)."""
+    if _count_full_collections not in gc.callbacks:
+        gc.callbacks.append(_count_full_collections)
+
+
+def _count_full_collections(phase: str, info: dict):
+    if info.get("generation") != 2:
+        return
+    if phase == "start":
+        _collection_start[:] = [time.perf_counter()]
+    elif _collection_start:
+        COUNTERS.record("collections", time.perf_counter() - _collection_start.pop(), "full")
 
 
 # The hooks into Triton.

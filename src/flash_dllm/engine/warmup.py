@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import itertools
 import os
 import sys
@@ -36,10 +37,11 @@ from ..cache.attention_metadata import AttentionMetadata, FlatRows, device_tenso
 from ..cache.kv_cache import KVCache
 from ..cache.routing import CHUNK, PromptRouting
 from ..kernels.greedy_tokens import greedy_tokens
-from .counters import install_compile_hooks
+from .counters import install_collection_hook, install_compile_hooks
 from .cuda_graphs import bucket
 
 install_compile_hooks()  # every compile from here on is counted (engine/counters.py), the warm-up's included
+install_collection_hook()  # and every full garbage collection
 
 # One row count per tile-size class of the kernels' launch configurations (by total and per-request rows),
 # each as one request and as several (the attention kernel's verify tiles depend on the batch too).
@@ -414,6 +416,16 @@ def before_ready(llm, methods: tuple[str, ...] | None = None, routings: tuple[st
                                                    block_length)
         phases.passes_s = lap()
     return phases
+
+
+def freeze_heap():
+    """Collect the garbage of the start-up, then exempt every object alive now (the model, its kernels and graphs,
+    the libraries' modules: hundreds of thousands) from later collections (gc.freeze). A full collection stops the
+    engine's thread while it traverses every tracked object, in the middle of a step; after this it traverses only
+    what was allocated since. Objects alive now are still freed when their last reference goes; only reference
+    cycles among them are no longer collected. Call once, last before ready."""
+    gc.collect()
+    gc.freeze()
 
 
 def _fits(engine, prompt_length: int, params) -> bool:

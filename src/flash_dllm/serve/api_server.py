@@ -448,6 +448,10 @@ def prometheus_text(replicas: list[tuple[str | None, Stats, bool]], throttled: i
            each(lambda s: s.captures_after_ready))
     metric("graph_capture_seconds_after_ready_total", "counter", "Seconds of those captures.",
            each(lambda s: s.capture_s_after_ready))
+    metric("gc_collections_after_ready_total", "counter", "Full collections of Python's garbage collector after "
+           "ready (each stops the engine's thread).", each(lambda s: s.collections_after_ready))
+    metric("gc_collection_seconds_after_ready_total", "counter", "Seconds of those collections.",
+           each(lambda s: s.collection_s_after_ready))
     metric("step_seconds_max", "gauge", "The longest engine step of the last minute.", each(lambda s: s.longest_step_s))
     metric("step_seconds_max_ratio", "gauge", "The largest ratio of a step of the last minute to the median step of "
            "its method, batch size and query rows (to a power of two) in that minute.", each(lambda s: s.longest_step_ratio))
@@ -460,8 +464,9 @@ def prometheus_text(replicas: list[tuple[str | None, Stats, bool]], throttled: i
 def start_up(llm: LLM, defaults: ServerDefaults):
     """What runs before the server reports ready (engine/warmup.py's `before_ready`): the KV cache, the kernels'
     compiles and the warm-up requests; then one request with the server's defaults (its first-call allocations),
-    not in the first client's latency. From then on no CUDA graph is captured: none on a request's path."""
-    from ..engine.warmup import before_ready
+    not in the first client's latency. From then on no CUDA graph is captured: none on a request's path; and a
+    full garbage collection does not traverse what the start-up left (`freeze_heap`)."""
+    from ..engine.warmup import before_ready, freeze_heap
 
     phases = before_ready(llm, block_length=defaults.params.block_length)
     print(f"flash-dllm: start-up: {phases}", file=sys.stderr, flush=True)
@@ -469,6 +474,7 @@ def start_up(llm: LLM, defaults: ServerDefaults):
     llm.generate([probe], defaults.params, use_tqdm=False)
     if llm.runner.graphs is not None:
         llm.runner.graphs.stop_capturing()
+    freeze_heap()
 
 
 def listening_socket(host: str, port: int) -> socket.socket:

@@ -85,14 +85,16 @@ class Stats:
     kv_cache_rows: int = 0
     kv_cache_used: int = 0
     recent: deque = field(default_factory=deque)  # (finish time, tokens) of the last minute
-    # On a request's path (engine/counters.py): kernel compiles and CUDA-graph captures after ready, with their
-    # seconds; the longest step of the last minute, and the largest ratio of a step to the median step of its
+    # On a request's path (engine/counters.py): kernel compiles, CUDA-graph captures and full garbage collections
+    # after ready, with their seconds; the longest step of the last minute, and the largest ratio of a step to the median step of its
     # method, batch size and work there (engine/counters.StepShape).
     start_up_s: float = 0.0
     compiles_after_ready: int = 0
     compile_s_after_ready: float = 0.0
     captures_after_ready: int = 0
     capture_s_after_ready: float = 0.0
+    collections_after_ready: int = 0
+    collection_s_after_ready: float = 0.0
     longest_step_s: float = 0.0
     longest_step_ratio: float = 0.0
 
@@ -141,10 +143,12 @@ class AsyncEngine:
         return [(None, self.stats, self.is_alive() and self.ready.is_set())]
 
     def update_path_counters(self):
-        """Stats' compiles, captures and longest step, as of now."""
+        """Stats' compiles, captures, collections and longest step, as of now."""
         after, stats = self.ready_mark.after(), self.stats
         stats.compiles_after_ready, stats.compile_s_after_ready = after["compiles"].count, after["compiles"].seconds
         stats.captures_after_ready, stats.capture_s_after_ready = after["captures"].count, after["captures"].seconds
+        stats.collections_after_ready = after["collections"].count
+        stats.collection_s_after_ready = after["collections"].seconds
         stats.longest_step_s, stats.longest_step_ratio = self.step_log.longest()
 
     def shutdown(self):
