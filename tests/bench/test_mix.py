@@ -35,9 +35,10 @@ def test_report_per_method_and_shape():
     prefill, steady = StepShape("flash-cache", 2, 1024), StepShape("flash-cache", 2, 32)
     steps = [(0.5, prefill), (0.010, steady), (0.010, steady), (0.030, steady)]
     report = format_report(MixResult(answers, wall_s=4.0, steps=steps))
-    assert "| 0 | 0.00 | 0 | 0.00 | 3.00 |" in report  # the worst steady step: 3x its shape's median, not the prefill
-    assert "| flash-cache | 2 | 1024 | 1 | 500.0 | 1.00 |" in report
-    assert "| flash-cache | 2 | 32 | 3 | 10.0 | 3.00 |" in report
+    # the worst steady step: 3x its shape's median, not the prefill (after no compile, capture or full collection)
+    assert "| 0 | 0.00 | 0 | 0.00 | 0 | 0.00 | 3.00 |" in report
+    assert "| flash-cache | 2 | 1024 | 0 | 1 | 500.0 | 1.00 |" in report
+    assert "| flash-cache | 2 | 32 | 0 | 3 | 10.0 | 3.00 |" in report
     assert metric_sums('# HELP x y\nx{replica="0"} 1\nx{replica="1"} 2.5\nz 3\n') == {"x": 3.5, "z": 3.0}
 
 

@@ -90,6 +90,22 @@ def test_the_engine_classes_each_step_by_the_rows_it_computed():
     assert sum(shape.query_rows == 128 for shape in shapes) == 2  # one full pass per block
 
 
+def test_a_routed_requests_steps_are_classed_apart_from_dense_ones():
+    """A routed pass replays no graph: its steps are compared with routed ones (of the same batch size)."""
+    from flash_dllm import LLM, SamplingParams
+
+    llm = LLM("random:llada-tiny", device="cpu", dtype="float32")
+    shapes, step_batch = [], llm.engine.step_batch
+    llm.engine.step_batch = lambda turn: (step_batch(turn), shapes.append(llm.engine.last_step))[0]
+    prompt = list(range(20, 120))
+    for routing in (None, "chunk"):
+        params = SamplingParams(method="flash-cache", max_tokens=8, block_length=8, kv_routing=routing)
+        llm.generate([prompt, prompt], params, use_tqdm=False)
+    dense = sum(shape.routed_rows == 0 for shape in shapes)
+    assert 0 < dense < len(shapes) and all(shape.routed_rows == 2 for shape in shapes[dense:])
+    assert all(shape.batch_size == 2 for shape in shapes)
+
+
 def test_a_step_is_measured_against_the_median_of_its_shape():
     log = StepLog(window_s=60)
     small, large, other = StepShape("flash-cache", 8, 256), StepShape("flash-cache", 32, 1024), \

@@ -6,7 +6,7 @@ both per method and routing; for requests of equal shape (method, routing, promp
 worst p99/p50 of end-to-end latency; the kernel compiles, CUDA-graph captures and full garbage collections
 after ready and their time
 (engine/counters.py: from /metrics before and after, or in process); the steps' times per method, batch size and
-work (`StepShape`; offline: each step; server: the worst step of each minute over its shape's median, from
+work and routed rows (`StepShape`; offline: each step; server: the worst step of each minute over its shape's median, from
 /metrics while the mix runs).
 
 Prompts are random token ids (a seeded stream per request); answers are not checked (`bench serve` checks them).
@@ -152,7 +152,8 @@ GROUP_HEADER = ("method", "routing", "requests", "errors", "TTFT p50 s", "TTFT p
 SUMMARY_HEADER = ("requests", "errors", "wall s", "requests/s", "tokens/s", "compiles after ready", "compile s",
                   "captures after ready", "capture s", "full GCs after ready", "GC s",
                   "longest step / median of its shape")
-STEP_HEADER = ("method", "batch size", "query rows (to a power of 2)", "steps", "median step ms", "longest / median")
+STEP_HEADER = ("method", "batch size", "query rows (to a power of 2)", "routed rows", "steps", "median step ms",
+               "longest / median")
 
 
 def worst_shape_ratio(answers: list[MixAnswer]) -> float:

@@ -108,12 +108,15 @@ class StepShape(NamedTuple):
     """What an engine step's time is compared within: its method, batch size and work, the query rows its passes
     computed (full-depth rows, summed over the batch) rounded up to a power of two (`work_class`). A dLLM step's
     work varies by design: a first pass, a dual-cache block's full pass or an Elastic-Cache refresh computes a
-    sequence's length of rows, a steady step a window. A stall (a compile, a capture, an eager step among replayed
-    ones) is a step slower than the others of its work."""
+    sequence's length of rows, a steady step a window. And how many of its rows route their prompt's keys
+    (`kv_routing`): a routed pass launches the routing kernels and replays no pass graph, so beside dense requests
+    whose steady passes replay, a routed request's steps are eager by design. A stall (a compile, a capture, an
+    eager step among replayed ones) is a step slower than the others of its work."""
 
     method: str
     batch_size: int
     query_rows: int
+    routed_rows: int = 0
 
 
 def work_class(query_rows: int) -> int:

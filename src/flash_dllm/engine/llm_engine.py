@@ -50,7 +50,7 @@ class LLMEngine:
         self.scheduler = Scheduler(max_batch_size)
         self.batches: dict[tuple, RunningBatch] = {}  # by batch_key, in order of creation
         self.current: RunningBatch | None = None  # the one that stepped last
-        self.last_step: StepShape | None = None   # its method, rows and work
+        self.last_step: StepShape | None = None   # its method, rows, work and routed rows
         self.allocator: CacheAllocator | None = None
         self.stop_ids = torch.tensor(special.stop_ids, device=self.device)
         self._request_ids = itertools.count()
@@ -164,7 +164,8 @@ class LLMEngine:
             return self._run_step(method, batch, group)
         finally:  # the rows' query counts advance on the host, also where the step replays from a graph
             self.last_step = StepShape(method.name, len(rows),
-                                       work_class(sum(row.query_rows for row in rows) - before))
+                                       work_class(sum(row.query_rows for row in rows) - before),
+                                       sum(row.params.kv_routing is not None for row in rows))
 
     def _run_step(self, method, batch: DecodeBatch, group: RunningBatch) -> list[Sequence]:
         runner = self.runner
