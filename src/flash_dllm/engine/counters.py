@@ -45,7 +45,7 @@ class Tally:
 
 
 class Counters:
-    """Process-wide tallies of compiles and captures: per kind, and per (kind, name)."""
+    """Process-wide tallies of compiles, captures and full collections: per kind, and per (kind, name)."""
 
     def __init__(self):
         self._lock = threading.RLock()  # a collection's count may be recorded by a thread already recording
