@@ -42,6 +42,10 @@ serve_and_mix() {  # serve_and_mix NAME: start a server, time it to ready, run t
   grep -E "after_ready|step_seconds|start_up" "$OUT/${name}_metrics_end.txt"
   kill $pid; wait $pid 2> /dev/null
 }
+serve_before() {  # the server before issue 40, extracted by the caller into .before/src
+  [ -d .before/src ] || { echo "no .before/src: extract commit c6f99ee's src there and carry it"; exit 1; }
+  SERVE_SRC=$PWD/.before/src serve_and_mix before
+}
 BENCH="python -m flash_dllm.cli bench mix"
 every_method() {
   TAIL=40 step mix_every_method 240 $BENCH --rate 1 --requests "${MIX_REQUESTS:-30}" --mix-prompt-lengths 64 300 1024 3968 \
@@ -72,12 +76,10 @@ cold)
   export TRITON_CACHE_DIR=$(mktemp -d)
   MIX_RUN=0 serve_and_mix cold ;;
 before_after)
-  [ -d .before/src ] || { echo "no .before/src: extract commit c6f99ee's src there and carry it"; exit 1; }
-  SERVE_SRC=$PWD/.before/src serve_and_mix before
+  serve_before
   serve_and_mix after ;;
 before)
-  [ -d .before/src ] || { echo "no .before/src: extract commit c6f99ee's src there and carry it"; exit 1; }
-  SERVE_SRC=$PWD/.before/src serve_and_mix before ;;
+  serve_before ;;
 after)
   serve_and_mix after
   MIX_RUN=0 serve_and_mix warm_restart ;;

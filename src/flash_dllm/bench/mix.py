@@ -5,9 +5,9 @@ Each request's time to its first streamed chunk (TTFT) and to its end, both from
 both per method and routing; for requests of equal shape (method, routing, prompt and generation length) the
 worst p99/p50 of end-to-end latency; the kernel compiles, CUDA-graph captures and full garbage collections
 after ready and their time
-(engine/counters.py: from /metrics before and after, or in process); the steps' times per method, batch size and
-work and routed rows (`StepShape`; offline: each step; server: the worst step of each minute over its shape's median, from
-/metrics while the mix runs).
+(engine/counters.py: from /metrics before and after, or in process); the steps' times per method, batch size,
+work and routed rows (`StepShape`; offline: each step; server: the worst step of each minute over its shape's
+median, from /metrics while the mix runs).
 
 Prompts are random token ids (a seeded stream per request); answers are not checked (`bench serve` checks them).
 """

@@ -454,7 +454,8 @@ def prometheus_text(replicas: list[tuple[str | None, Stats, bool]], throttled: i
            each(lambda s: s.collection_s_after_ready))
     metric("step_seconds_max", "gauge", "The longest engine step of the last minute.", each(lambda s: s.longest_step_s))
     metric("step_seconds_max_ratio", "gauge", "The largest ratio of a step of the last minute to the median step of "
-           "its method, batch size, query rows (to a power of two) and routed rows in that minute.", each(lambda s: s.longest_step_ratio))
+           "its method, batch size, query rows (to a power of two) and routed rows in that minute.",
+           each(lambda s: s.longest_step_ratio))
     if any(replica is not None for replica, _, _ in replicas):
         metric("replica_up", "gauge", "1 while the replica serves, 0 while it starts or once it has stopped.",
                [(labels(replica), int(up)) for replica, _, up in replicas])

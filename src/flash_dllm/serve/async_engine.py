@@ -86,8 +86,8 @@ class Stats:
     kv_cache_used: int = 0
     recent: deque = field(default_factory=deque)  # (finish time, tokens) of the last minute
     # On a request's path (engine/counters.py): kernel compiles, CUDA-graph captures and full garbage collections
-    # after ready, with their seconds; the longest step of the last minute, and the largest ratio of a step to the median step of its
-    # method, batch size, work and routed rows there (engine/counters.StepShape).
+    # after ready, with their seconds; the longest step of the last minute, and the largest ratio of a step to the
+    # median step of its method, batch size, work and routed rows there (engine/counters.StepShape).
     start_up_s: float = 0.0
     compiles_after_ready: int = 0
     compile_s_after_ready: float = 0.0
