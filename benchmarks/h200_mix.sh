@@ -18,13 +18,21 @@
 #                 `git archive c6f99ee src | tar -x -C .before`) and against this checkout's, the same mix
 #   PART=before / PART=after  its two halves, one device call each; `after` then restarts the server on the warm
 #                 Triton cache and times it to ready (the <= 15 s budget)
+#   PART=startup  PART=cold, then the server restarted on that Triton cache (the <= 15 s budget), then what one
+#                 method's mix (SINGLE) serves offline when offered more than it can (to pick the rate of the long
+#                 run below), then PART=probe
+#   PART=steady   the issue's long run: `serve`, then `bench serve --mix` of one method and generation length
+#                 (SINGLE, so that one batch takes every request) at RATE for REQUESTS, the load sampled from /metrics
+# MIX_METHODS, MIX_ROUTINGS, MIX_PROMPT_LENGTHS and MIX_MAX_TOKENS override the served mix's draws.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}  # carried wheels (serve) stay on the path
 source "$(dirname "$0")/steps.sh"
 FILTER="grep -v variant/s"
 # random LLaDA-8B holds 4,096 positions: prompt + max_tokens stay within them
-MIX="--rate ${RATE:-3} --requests ${REQUESTS:-300} --mix-prompt-lengths 64 256 1024 3584 --mix-max-tokens ${MIX_MAX_TOKENS:-32 128 512}"
+MIX="--rate ${RATE:-3} --requests ${REQUESTS:-300} --mix-prompt-lengths ${MIX_PROMPT_LENGTHS:-64 256 1024 3584}
+  --mix-max-tokens ${MIX_MAX_TOKENS:-32 128 512} ${MIX_METHODS:+--mix-methods $MIX_METHODS}
+  --mix-routings ${MIX_ROUTINGS:-dense chunk}"
 serve_and_mix() {  # serve_and_mix NAME: start a server, time it to ready, run the mix against it, keep /metrics
   local name=$1 start=$SECONDS
   PYTHONPATH=${SERVE_SRC:+$SERVE_SRC:}$PYTHONPATH python -m flash_dllm.cli serve --model random:llada-8b --method flash-cache --max-batch 32 --port 8123 \
@@ -75,6 +83,15 @@ serve)
 cold)
   export TRITON_CACHE_DIR=$(mktemp -d)
   MIX_RUN=0 serve_and_mix cold ;;
+startup)
+  export TRITON_CACHE_DIR=$(mktemp -d)
+  MIX_RUN=0 serve_and_mix cold
+  MIX_RUN=0 serve_and_mix warm_restart
+  TAIL=12 step capacity 120 $BENCH $SINGLE --rate 8 --requests "${CAPACITY_REQUESTS:-60}"
+  TAIL=40 step first_call_probe "${PROBE_S:-300}" python benchmarks/first_call_probe.py ;;
+steady)
+  MIX="--rate ${RATE:-1.5} --requests ${REQUESTS:-700} $SINGLE"
+  serve_and_mix steady ;;
 before_after)
   serve_before
   serve_and_mix after ;;

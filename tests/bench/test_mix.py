@@ -32,11 +32,13 @@ def test_report_per_method_and_shape():
     row = MixResult(answers, wall_s=4.0).group_rows()[0]
     assert row[:4] == ("flash-cache", "dense", 4, 0) and row[7:] == ("1.000", "2.000", "2.000", "2.00")
     assert "| 4 | 0 | 4.0 | 1.00 | 32.0 | 0 |" in format_report(MixResult(answers, wall_s=4.0))
+    assert format_report(MixResult(answers, wall_s=4.0)).split("\n")[2].endswith("| - | - |")  # no load sampled
     prefill, steady = StepShape("flash-cache", 2, 1024), StepShape("flash-cache", 2, 32)
     steps = [(0.5, prefill), (0.010, steady), (0.010, steady), (0.030, steady)]
-    report = format_report(MixResult(answers, wall_s=4.0, steps=steps))
-    # the worst steady step: 3x its shape's median, not the prefill (after no compile, capture or full collection)
-    assert "| 0 | 0.00 | 0 | 0.00 | 0 | 0.00 | 3.00 |" in report
+    report = format_report(MixResult(answers, wall_s=4.0, steps=steps, load=[(2, 0)] * 8 + [(1, 0), (2, 3)]))
+    # the worst steady step: 3x its shape's median, not the prefill (after no compile, capture or full collection);
+    # the load: 1-2 requests running, a queue in one sample of ten
+    assert "| 0 | 0.00 | 0 | 0.00 | 0 | 0.00 | 3.00 | 1/2/2 | 0/0/0 |" in report
     assert "| flash-cache | 2 | 1024 | 0 | 1 | 500.0 | 1.00 |" in report
     assert "| flash-cache | 2 | 32 | 0 | 3 | 10.0 | 3.00 |" in report
     assert metric_sums('# HELP x y\nx{replica="0"} 1\nx{replica="1"} 2.5\nz 3\n') == {"x": 3.5, "z": 3.0}

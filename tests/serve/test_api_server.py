@@ -405,9 +405,10 @@ def test_bench_serve_mix_reads_ttft_and_the_counters(server):
 
     spec = MixSpec(num_requests=3, rate=20.0, prompt_lengths=(8, 16), max_tokens=(8,), methods=("parallel", "dual-cache"),
                    routings=(None,), block_length=8, max_token_id=300)
-    result = bench_serve_mix(MixServeConfig(url=server, spec=spec))
+    result = bench_serve_mix(MixServeConfig(url=server, spec=spec, metrics_every_s=0.05))
     assert [a.ok for a in result.answers] == [True] * 3, [a.error for a in result.answers]
     assert all(0 < a.ttft_s <= a.e2e_s for a in result.answers)
+    assert result.load and all(0 <= running <= 3 and 0 <= waiting <= 3 for running, waiting in result.load)
     assert result.compiles == (0, 0.0) and result.captures == (0, 0.0) and result.longest_step[0] > 0
 
 

@@ -7,7 +7,8 @@ worst p99/p50 of end-to-end latency; the kernel compiles, CUDA-graph captures an
 after ready and their time
 (engine/counters.py: from /metrics before and after, or in process); the steps' times per method, batch size,
 work and routed rows (`StepShape`; offline: each step; server: the worst step of each minute over its shape's
-median, from /metrics while the mix runs).
+median, from /metrics while the mix runs); the requests running and waiting (offline: at each step; server: from
+/metrics every few seconds), which tell a load the engine keeps up with from one it queues.
 
 Prompts are random token ids (a seeded stream per request); answers are not checked (`bench serve` checks them).
 """
@@ -119,6 +120,7 @@ class MixResult:
     longest_step: tuple[float, float] = (0.0, 0.0)  # (seconds, the worst step over its shape's median)
     # offline: the compiles, captures and collections after ready per (kind, kernel, graph key or "full")
     after_ready: dict = field(default_factory=dict)
+    load: list[tuple[int, int]] = field(default_factory=list)  # samples of (requests running, requests waiting)
 
     @property
     def ok(self) -> list[MixAnswer]:
@@ -144,14 +146,19 @@ class MixResult:
         return (len(self.answers), len(self.answers) - len(self.ok), f"{self.wall_s:.1f}",
                 f"{len(self.ok) / self.wall_s:.2f}", f"{tokens / self.wall_s:.1f}", self.compiles[0],
                 f"{self.compiles[1]:.2f}", self.captures[0], f"{self.captures[1]:.2f}", self.collections[0],
-                f"{self.collections[1]:.2f}", f"{worst:.2f}")
+                f"{self.collections[1]:.2f}", f"{worst:.2f}", self.load_percentiles(0),
+                self.load_percentiles(1))
+
+    def load_percentiles(self, column: int) -> str:
+        values = [sample[column] for sample in self.load]
+        return "/".join(f"{percentile(values, q):.0f}" for q in (0.1, 0.5, 0.9)) if values else "-"
 
 
 GROUP_HEADER = ("method", "routing", "requests", "errors", "TTFT p50 s", "TTFT p90 s", "TTFT p99 s", "e2e p50 s",
                 "e2e p90 s", "e2e p99 s", "worst shape p99/p50")
 SUMMARY_HEADER = ("requests", "errors", "wall s", "requests/s", "tokens/s", "compiles after ready", "compile s",
                   "captures after ready", "capture s", "full GCs after ready", "GC s",
-                  "longest step / median of its shape")
+                  "longest step / median of its shape", "running p10/p50/p90", "waiting p10/p50/p90")
 STEP_HEADER = ("method", "batch size", "query rows (to a power of 2)", "routed rows", "steps", "median step ms",
                "longest / median")
 
@@ -191,7 +198,7 @@ def run_offline(llm, spec: MixSpec, requests: list[MixRequest] | None = None) ->
 
     engine = llm.engine
     requests = mix_requests(spec, llm.config.vocab_size) if requests is None else requests
-    pending, mark, steps = deque(requests), ReadyMark(), []
+    pending, mark, steps, load = deque(requests), ReadyMark(), [], []
     live: dict = {}  # seq -> (request, first chunk time or None)
     answers: dict[int, MixAnswer] = {}
     mark.mark()
@@ -215,6 +222,7 @@ def run_offline(llm, spec: MixSpec, requests: list[MixRequest] | None = None) ->
         finished = engine.step()
         ended = time.perf_counter()
         steps.append((ended - began, engine.last_step))
+        load.append((sum(not seq.is_finished for seq in engine.running), len(engine.scheduler.waiting)))
         at = ended - start
         for seq in engine.running:
             if seq in live and live[seq][1] is None and seq.final_length > 0:
@@ -230,7 +238,7 @@ def run_offline(llm, spec: MixSpec, requests: list[MixRequest] | None = None) ->
     after = mark.after()
     tally = lambda kind: (after[kind].count, after[kind].seconds)
     return MixResult([answers[r.index] for r in requests], wall, tally("compiles"), tally("captures"),
-                     tally("collections"), steps, after_ready=mark.after_by_name())
+                     tally("collections"), steps, after_ready=mark.after_by_name(), load=load)
 
 
 def warm_up(llm, spec: MixSpec, requests: bool = True, capture_after_ready: bool = False) -> StartUpPhases | None:
@@ -264,7 +272,7 @@ class MixServeConfig:
     spec: MixSpec = MixSpec()
     fields: dict = field(default_factory=dict)  # extra request fields for every request (knobs, temperature)
     api_key: str | None = None
-    metrics_every_s: float = 15.0  # /metrics' longest step of the last minute, read this often
+    metrics_every_s: float = 5.0  # /metrics (the longest step of the last minute, the requests running) this often
 
 
 def metric_sums(text: str) -> dict[str, float]:
@@ -315,6 +323,7 @@ async def run_online(config: MixServeConfig) -> MixResult:
     async with server_client(config.url, config.api_key, spec.num_requests + 2, 3600) as client:
         before = metric_sums((await client.get("/metrics")).text)
         longest: list[tuple[float, float]] = []
+        load: list[tuple[int, int]] = []
 
         async def sample_steps():
             while True:
@@ -322,6 +331,9 @@ async def run_online(config: MixServeConfig) -> MixResult:
                 text = (await client.get("/metrics")).text
                 longest.append((metric_max(text, "flash_dllm_step_seconds_max"),
                                 metric_max(text, "flash_dllm_step_seconds_max_ratio")))
+                sums = metric_sums(text)
+                load.append((int(sums.get("flash_dllm_requests_running", 0)),
+                             int(sums.get("flash_dllm_requests_waiting", 0))))
 
         sampler = asyncio.create_task(sample_steps())
         start = time.perf_counter()
@@ -341,7 +353,7 @@ async def run_online(config: MixServeConfig) -> MixResult:
                      (int(delta("kernel_compiles_after_ready_total")), delta("kernel_compile_seconds_after_ready_total")),
                      (int(delta("graph_captures_after_ready_total")), delta("graph_capture_seconds_after_ready_total")),
                      (int(delta("gc_collections_after_ready_total")), delta("gc_collection_seconds_after_ready_total")),
-                     longest_step=max(longest, key=lambda s: s[1]))
+                     longest_step=max(longest, key=lambda s: s[1]), load=load)
 
 
 def bench_serve_mix(config: MixServeConfig) -> MixResult:
