@@ -22,7 +22,9 @@
 #                 method's mix (SINGLE) serves offline when offered more than it can (to pick the rate of the long
 #                 run below), then PART=probe
 #   PART=steady   the issue's long run: `serve`, then `bench serve --mix` of one method and generation length
-#                 (SINGLE, so that one batch takes every request) at RATE for REQUESTS, the load sampled from /metrics
+#                 (SINGLE, so that one batch takes every request) at RATE for REQUESTS, the load sampled from /metrics;
+#                 ARRIVALS=even: the same requests evenly spaced (the spread of equal requests' latency that is left
+#                 is the engine's)
 # MIX_METHODS, MIX_ROUTINGS, MIX_PROMPT_LENGTHS and MIX_MAX_TOKENS override the served mix's draws.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -88,9 +90,9 @@ startup)
   MIX_RUN=0 serve_and_mix cold
   MIX_RUN=0 serve_and_mix warm_restart
   TAIL=12 step capacity 120 $BENCH $SINGLE --rate 8 --requests "${CAPACITY_REQUESTS:-60}"
-  TAIL=40 step first_call_probe "${PROBE_S:-300}" python benchmarks/first_call_probe.py ;;
+  [ "${PROBE:-1}" = 1 ] && TAIL=40 step first_call_probe "${PROBE_S:-300}" python benchmarks/first_call_probe.py ;;
 steady)
-  MIX="--rate ${RATE:-1.5} --requests ${REQUESTS:-700} $SINGLE"
+  MIX="--rate ${RATE:-1.5} --requests ${REQUESTS:-700} --mix-arrivals ${ARRIVALS:-poisson} $SINGLE"
   serve_and_mix steady ;;
 before_after)
   serve_before

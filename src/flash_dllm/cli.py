@@ -560,12 +560,13 @@ def mix_spec_from_args(args):
     return MixSpec(num_requests=args.requests, rate=args.rate, prompt_lengths=tuple(args.mix_prompt_lengths),
                    max_tokens=tuple(args.mix_max_tokens), methods=tuple(args.mix_methods),
                    routings=tuple(None if r == "dense" else r for r in args.mix_routings),
-                   block_length=args.mix_block_length, seed=args.mix_seed)
+                   block_length=args.mix_block_length, arrivals=args.mix_arrivals, seed=args.mix_seed)
 
 
 def describe_mix(spec) -> str:
     routings = ", ".join(r or "dense" for r in spec.routings)
-    return (f"{spec.num_requests} requests at {spec.rate:g}/s (Poisson, seed {spec.seed}); prompt lengths "
+    arrivals = "Poisson" if spec.arrivals == "poisson" else "evenly spaced"
+    return (f"{spec.num_requests} requests at {spec.rate:g}/s ({arrivals}, seed {spec.seed}); prompt lengths "
             f"{list(spec.prompt_lengths)}, max_tokens {list(spec.max_tokens)}, methods {', '.join(spec.methods)}, "
             f"routings {routings}")
 
@@ -622,10 +623,10 @@ def cmd_bench_serve(args):
 
 
 def add_mix_args(parser):
-    from .bench.mix import MixSpec
+    from .bench.mix import ARRIVALS, MixSpec
 
     d = MixSpec()
-    parser.add_argument("--rate", type=float, default=d.rate, help="mix: requests per second (Poisson arrivals)")
+    parser.add_argument("--rate", type=float, default=d.rate, help="mix: requests per second")
     parser.add_argument("--requests", type=at_least(1), default=d.num_requests, help="mix: requests sent")
     parser.add_argument("--mix-prompt-lengths", type=at_least(1), nargs="+", default=list(d.prompt_lengths),
                         help="mix: prompt lengths (random token ids), one drawn per request")
@@ -637,6 +638,8 @@ def add_mix_args(parser):
                         help="mix: prompt-KV routings of the cached methods' requests, one drawn per request")
     parser.add_argument("--mix-block-length", type=at_least(1), default=d.block_length,
                         help="mix: block length (at most each request's max_tokens)")
+    parser.add_argument("--mix-arrivals", choices=list(ARRIVALS), default=d.arrivals,
+                        help="mix: arrivals as a Poisson process at --rate, or evenly spaced at it (the same requests)")
     parser.add_argument("--mix-seed", type=int, default=d.seed, help="mix: the seed of the whole mix")
 
 

@@ -22,6 +22,12 @@ def test_the_mix_is_seeded_and_draws_from_its_spec():
     arrivals = [r.arrival_s for r in requests]
     assert arrivals == sorted(arrivals) and 400 / arrivals[-1] == pytest.approx(4.0, rel=0.2)  # Poisson at the rate
     assert max(max(r.prompt_ids) for r in mix_requests(spec, vocab_size=100)) < 100
+    even = mix_requests(MixSpec(**{**spec.__dict__, "arrivals": "even"}))  # the same requests, a quarter second apart
+    assert [r.arrival_s for r in even] == pytest.approx([(i + 1) / 4 for i in range(400)])
+    assert [(r.prompt_ids, r.max_tokens, r.group) for r in even] == [(r.prompt_ids, r.max_tokens, r.group)
+                                                                      for r in requests]
+    with pytest.raises(ValueError, match="arrivals must be one of poisson, even, got 'burst'"):
+        MixSpec(arrivals="burst")
 
 
 def test_report_per_method_and_shape():

@@ -28,12 +28,15 @@ if TYPE_CHECKING:
     from ..engine.warmup import StartUpPhases
 
 DENSE = "dense"  # the routing label of requests without kv_routing
+ARRIVALS = ("poisson", "even")
 
 
 @dataclass(frozen=True)
 class MixSpec:
     """The mix: each request draws a method, then (cached methods only) a routing, a prompt length and a generation
-    length uniformly from these; arrivals are a Poisson process of `rate` requests per second."""
+    length uniformly from these; arrivals are a Poisson process of `rate` requests per second, or `even`ly spaced
+    at that rate (the same requests): with the number running steady, what is left of the spread of equal
+    requests' latency is the engine's, not the arrivals'."""
 
     num_requests: int = 200
     rate: float = 2.0
@@ -42,6 +45,7 @@ class MixSpec:
     methods: tuple[str, ...] = ("prefix-cache", "dual-cache", "flash-cache", "flash-verify", "elastic")
     routings: tuple[str | None, ...] = (None, "chunk")
     block_length: int = 32
+    arrivals: str = "poisson"  # or "even"
     max_token_id: int = 1000  # prompt ids in [16, max_token_id): ordinary tokens of any model's vocabulary
     seed: int = 0
 
@@ -52,6 +56,8 @@ class MixSpec:
             raise ValueError("prompt_lengths, max_tokens, methods and routings must each name at least one")
         if min(self.prompt_lengths) <= 0 or min(self.max_tokens) <= 0 or self.max_token_id <= 16:
             raise ValueError("lengths must be positive and max_token_id above 16")
+        if self.arrivals not in ARRIVALS:
+            raise ValueError(f"arrivals must be one of {', '.join(ARRIVALS)}, got {self.arrivals!r}")
         from ..decoding.registry import method_of
         for method in self.methods:
             method_of(method)  # an unknown method: a ValueError naming the methods
@@ -89,7 +95,8 @@ def mix_requests(spec: MixSpec, vocab_size: int | None = None) -> list[MixReques
     top = min(spec.max_token_id, vocab_size) if vocab_size else spec.max_token_id
     requests, now = [], 0.0
     for index in range(spec.num_requests):
-        now += rng.expovariate(spec.rate)
+        gap = rng.expovariate(spec.rate)  # drawn for even arrivals too: the same requests either way
+        now += gap if spec.arrivals == "poisson" else 1 / spec.rate
         method = rng.choice(spec.methods)
         routing = rng.choice(spec.routings) if method_of(method).uses_cache else None
         length, tokens = rng.choice(spec.prompt_lengths), rng.choice(spec.max_tokens)
