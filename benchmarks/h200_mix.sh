@@ -22,7 +22,8 @@
 #                 method's mix (SINGLE) serves offline when offered more than it can (to pick the rate of the long
 #                 run below), then PART=probe
 #   PART=steady   the issue's long run: `serve`, then `bench serve --mix` of one method and generation length
-#                 (SINGLE, so that one batch takes every request) at RATE for REQUESTS, the load sampled from /metrics;
+#                 (SINGLE, so that one batch takes every request) at RATE (unset: 0.85 of what SINGLE serves offline
+#                 when offered more) for ARRIVE_S seconds of arrivals, the load sampled from /metrics;
 #                 ARRIVALS=even: the same requests evenly spaced (the spread of equal requests' latency that is left
 #                 is the engine's)
 # MIX_METHODS, MIX_ROUTINGS, MIX_PROMPT_LENGTHS and MIX_MAX_TOKENS override the served mix's draws.
@@ -92,7 +93,19 @@ startup)
   TAIL=12 step capacity 120 $BENCH $SINGLE --rate 8 --requests "${CAPACITY_REQUESTS:-60}"
   [ "${PROBE:-1}" = 1 ] && TAIL=40 step first_call_probe "${PROBE_S:-300}" python benchmarks/first_call_probe.py ;;
 steady)
-  MIX="--rate ${RATE:-1.5} --requests ${REQUESTS:-700} --mix-arrivals ${ARRIVALS:-poisson} $SINGLE"
+  if [ -z "${RATE:-}" ]; then  # 0.85 of what the mix serves offline when offered more than it can
+    TAIL=12 step capacity 150 $BENCH $SINGLE --rate 8 --requests "${CAPACITY_REQUESTS:-60}"
+    RATE=$(python - "$OUT/capacity.txt" <<'PY'
+import sys
+lines = [line for line in open(sys.argv[1]) if line.startswith("|")]
+row = lines[[i for i, line in enumerate(lines) if "requests/s" in line][0] + 2].split("|")
+print(round(0.85 * float(row[4]), 2))
+PY
+)
+    echo "## rate: $RATE requests/s"
+  fi
+  REQUESTS=$(python -c "print(max(1, int($RATE * ${ARRIVE_S:-420})))") MIX_S=$((${ARRIVE_S:-420} + 60))
+  MIX="--rate $RATE --requests $REQUESTS --mix-arrivals ${ARRIVALS:-poisson} $SINGLE"
   serve_and_mix steady ;;
 before_after)
   serve_before
