@@ -18,9 +18,8 @@
 #                 `git archive c6f99ee src | tar -x -C .before`) and against this checkout's, the same mix
 #   PART=before / PART=after  its two halves, one device call each; `after` then restarts the server on the warm
 #                 Triton cache and times it to ready (the <= 15 s budget)
-#   PART=startup  PART=cold, then the server restarted on that Triton cache (the <= 15 s budget), then what one
-#                 method's mix (SINGLE) serves offline when offered more than it can (to pick the rate of the long
-#                 run below), then PART=probe
+#   PART=startup  PART=cold, then the server restarted on that Triton cache (the <= 15 s budget), then PART=probe
+#                 (PROBE=0: not)
 #   PART=steady   the issue's long run: `serve`, then `bench serve --mix` of one method and generation length
 #                 (SINGLE, so that one batch takes every request) at RATE (unset: 0.85 of what SINGLE serves offline
 #                 when offered more) for ARRIVE_S seconds of arrivals, the load sampled from /metrics;
@@ -90,7 +89,6 @@ startup)
   export TRITON_CACHE_DIR=$(mktemp -d)
   MIX_RUN=0 serve_and_mix cold
   MIX_RUN=0 serve_and_mix warm_restart
-  TAIL=12 step capacity 120 $BENCH $SINGLE --rate 8 --requests "${CAPACITY_REQUESTS:-60}"
   [ "${PROBE:-1}" = 1 ] && TAIL=40 step first_call_probe "${PROBE_S:-300}" python benchmarks/first_call_probe.py ;;
 steady)
   if [ -z "${RATE:-}" ]; then  # 0.85 of what the mix serves offline when offered more than it can
