@@ -229,7 +229,7 @@ def run_offline(llm, spec: MixSpec, requests: list[MixRequest] | None = None) ->
         finished = engine.step()
         ended = time.perf_counter()
         steps.append((ended - began, engine.last_step))
-        load.append((sum(not seq.is_finished for seq in engine.running), len(engine.scheduler.waiting)))
+        load.append((engine.num_running, len(engine.scheduler.waiting)))
         at = ended - start
         for seq in engine.running:
             if seq in live and live[seq][1] is None and seq.final_length > 0:

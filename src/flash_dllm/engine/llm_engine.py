@@ -90,6 +90,11 @@ class LLMEngine:
         return [seq for group in self.batches.values() for seq in (*group.running, *group.joining)]
 
     @property
+    def num_running(self) -> int:
+        """The running sequences that have not finished."""
+        return sum(not seq.is_finished for seq in self.running)
+
+    @property
     def batch(self) -> DecodeBatch | None:
         """The batch that stepped last."""
         return None if self.current is None else self.current.batch
@@ -188,8 +193,7 @@ class LLMEngine:
         driver does."""
         for key in [key for key, group in self.batches.items() if not group.has_work]:
             del self.batches[key]
-        num_running = sum(not seq.is_finished for seq in self.running)
-        for seq in self.scheduler.admit(num_running, self._reserve):
+        for seq in self.scheduler.admit(self.num_running, self._reserve):
             key = seq.params.batch_key()
             if key not in self.batches:
                 served = min((group.served_s for group in self.batches.values()), default=0.0)

@@ -295,7 +295,7 @@ class AsyncEngine:
 
     def _update_gauges(self):
         stats, engine = self.stats, self.engine
-        stats.running = sum(not seq.is_finished for seq in engine.running)
+        stats.running = engine.num_running
         stats.waiting = len(engine.scheduler.waiting)
         if engine.allocator is not None:
             stats.kv_cache_rows = engine.allocator.num_rows
