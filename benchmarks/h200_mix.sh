@@ -25,16 +25,13 @@
 #                 when offered more) for ARRIVE_S seconds of arrivals, the load sampled from /metrics;
 #                 ARRIVALS=even: the same requests evenly spaced (the spread of equal requests' latency that is left
 #                 is the engine's)
-# MIX_METHODS, MIX_ROUTINGS, MIX_PROMPT_LENGTHS and MIX_MAX_TOKENS override the served mix's draws.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}  # carried wheels (serve) stay on the path
 source "$(dirname "$0")/steps.sh"
 FILTER="grep -v variant/s"
 # random LLaDA-8B holds 4,096 positions: prompt + max_tokens stay within them
-MIX="--rate ${RATE:-3} --requests ${REQUESTS:-300} --mix-prompt-lengths ${MIX_PROMPT_LENGTHS:-64 256 1024 3584}
-  --mix-max-tokens ${MIX_MAX_TOKENS:-32 128 512} ${MIX_METHODS:+--mix-methods $MIX_METHODS}
-  --mix-routings ${MIX_ROUTINGS:-dense chunk}"
+MIX="--rate ${RATE:-3} --requests ${REQUESTS:-300} --mix-prompt-lengths 64 256 1024 3584 --mix-max-tokens ${MIX_MAX_TOKENS:-32 128 512}"
 serve_and_mix() {  # serve_and_mix NAME: start a server, time it to ready, run the mix against it, keep /metrics
   local name=$1 start=$SECONDS
   PYTHONPATH=${SERVE_SRC:+$SERVE_SRC:}$PYTHONPATH python -m flash_dllm.cli serve --model random:llada-8b --method flash-cache --max-batch 32 --port 8123 \
