@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 
 from flash_dllm.engine.counters import percentile
@@ -28,16 +29,23 @@ def record(args):
     first_id = next(engine._request_ids)  # the mix's requests get the ids after it, in arrival order
     step = engine.step
 
+    def computed(seq) -> int:  # the query rows the sequence's passes have computed so far
+        return seq.row.query_rows if seq.row is not None else seq.query_rows
+
     def traced_step():
+        before = {seq: computed(seq) for seq in engine.running}
         finished = step()
         if engine.current is not None:
-            trace.append([seq.request_id - first_id - 1 for seq in engine.current.running])
+            rows = engine.current.running
+            work = sum(computed(seq) - before.get(seq, 0) for seq in rows)
+            trace.append(([seq.request_id - first_id - 1 for seq in rows], work))
         return finished
     engine.step = traced_step
     result = run_offline(llm, spec)
     answers = [dict(index=a.request.index, shape=list(a.request.shape), arrival_s=a.request.arrival_s,
                     ttft_s=a.ttft_s, e2e_s=a.e2e_s, tokens=a.tokens) for a in result.answers]
-    steps = [dict(seconds=seconds, shape=list(shape), rows=rows) for (seconds, shape), rows in zip(result.steps, trace)]
+    steps = [dict(seconds=seconds, shape=list(shape), rows=rows, query_rows=work)
+             for (seconds, shape), (rows, work) in zip(result.steps, trace)]
     json.dump(dict(rate=args.rate, arrivals=args.arrivals, answers=answers, steps=steps), open(args.out, "w"))
     print(f"wrote {args.out}: {len(answers)} requests, {len(steps)} steps")
 
@@ -95,6 +103,7 @@ def analyse(path):
                   f"{1e3 * statistics.mean(s['seconds'] for s in steps):.1f} | "
                   f"{1e3 * statistics.mean(predicted[j] for j in window):.1f} |")
             clock, window = 0.0, []
+    worst_steps(data)
     times: dict[tuple, list] = {}
     for step in data["steps"]:
         times.setdefault(tuple(step["shape"]), []).append(step["seconds"])
@@ -126,6 +135,43 @@ def fit_step_times(data, answers):
           f"changed ({int(x[:, 4].sum())} of {len(seconds)} steps); |residual| p50/p99 "
           f"{percentile(residual.tolist(), 0.5):.2f}/{percentile(residual.tolist(), 0.99):.2f} of the step")
     return (x @ coef).tolist()
+
+
+def quarter_octave(rows: int) -> float:
+    """The bin of `rows` with four bins per power of two: within one, the work varies by at most 1.19x."""
+    return round(4 * math.log2(max(rows, 1))) / 4
+
+
+def worst_steps(data):
+    """The worst step over the median of its shape, per 60 s of steps, with the engine's shapes (query rows to a
+    power of two) and with the exact query rows binned to a quarter of a power of two; the five worst steps."""
+    steps, windows, clock, start = data["steps"], [], 0.0, 0
+    for k, step in enumerate(steps):
+        clock += step["seconds"]
+        if clock >= 60 or k == len(steps) - 1:
+            windows.append(range(start, k + 1))
+            clock, start = 0.0, k + 1
+    fine = lambda s: (s["shape"][0], s["shape"][1], quarter_octave(s["query_rows"]), s["shape"][3])
+    print("\nworst step / median of its shape, per 60 s of steps")
+    print("| steps | power-of-two rows (the engine's) | quarter-octave rows |\n|---|---|---|")
+    worst = []
+    for window in windows:
+        ratios = []
+        for key in (lambda s: tuple(s["shape"]), fine):
+            by: dict[tuple, list] = {}
+            for k in window:
+                by.setdefault(key(steps[k]), []).append(k)
+            medians = {shape: statistics.median(steps[k]["seconds"] for k in ks) for shape, ks in by.items()}
+            per_step = {k: steps[k]["seconds"] / medians[shape] for shape, ks in by.items() for k in ks}
+            ratios.append(max(per_step.values()))
+        worst += [(per_step[k], k) for k in window]
+        print(f"| {window.start}-{window.stop - 1} | {ratios[0]:.2f} | {ratios[1]:.2f} |")
+    print("\n| step | ratio (quarter-octave) | ms | batch | query rows | routed | batch changed |\n|---|---|---|---|---|---|---|")
+    for ratio, k in sorted(worst, reverse=True)[:5]:
+        step = steps[k]
+        changed = k > 0 and step["rows"] != steps[k - 1]["rows"]
+        print(f"| {k} | {ratio:.2f} | {1e3 * step['seconds']:.1f} | {step['shape'][1]} | {step['query_rows']} | "
+              f"{step['shape'][3]} | {changed} |")
 
 
 def main():
