@@ -25,6 +25,9 @@
 #                 when offered more) for ARRIVE_S seconds of arrivals, the load sampled from /metrics;
 #                 ARRIVALS=even: the same requests evenly spaced (the spread of equal requests' latency that is left
 #                 is the engine's)
+#   PART=trace    PART=steady's mix offline (benchmarks/mix_trace.py): every step's time, rows and query rows, every
+#                 request's latency, then the breakdown (a fit of step time on the batch's make-up, the slowest
+#                 requests, the worst step per minute); ARRIVALS as steady's, RATE default 1.4, TRACE_REQUESTS 150
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}  # carried wheels (serve) stay on the path
@@ -102,6 +105,10 @@ PY
   REQUESTS=$(python -c "print(max(1, int($RATE * ${ARRIVE_S:-420})))") MIX_S=$((${ARRIVE_S:-420} + 60))
   MIX="--rate $RATE --requests $REQUESTS --mix-arrivals ${ARRIVALS:-poisson} $SINGLE"
   serve_and_mix steady ;;
+trace)
+  TAIL=2 step "trace_${ARRIVALS:-even}" "${TRACE_S:-240}" python benchmarks/mix_trace.py --rate "${RATE:-1.4}" \
+      --requests "${TRACE_REQUESTS:-150}" --arrivals "${ARRIVALS:-even}" --out "$OUT/trace_${ARRIVALS:-even}.json"
+  python benchmarks/mix_trace.py --analyse "$OUT/trace_${ARRIVALS:-even}.json" | tee "$OUT/analysis_${ARRIVALS:-even}.txt" ;;
 before_after)
   serve_before
   serve_and_mix after ;;
