@@ -6,8 +6,8 @@ import os
 import pytest
 
 from flash_dllm import LLM
-from flash_dllm.bench.mix import (MixAnswer, MixResult, MixSpec, format_report, metric_sums, mix_requests,
-                                  run_offline, worst_shape_ratio)
+from flash_dllm.bench.mix import (LoadSample, MixAnswer, MixResult, MixSpec, format_report, metric_sums,
+                                  mix_requests, run_offline, worst_shape_ratio)
 from flash_dllm.engine.counters import StepShape
 from flash_dllm.engine.warmup import before_ready
 
@@ -38,16 +38,31 @@ def test_report_per_method_and_shape():
     row = MixResult(answers, wall_s=4.0).group_rows()[0]
     assert row[:4] == ("flash-cache", "dense", 4, 0) and row[7:] == ("1.000", "2.000", "2.000", "2.00")
     assert "| 4 | 0 | 4.0 | 1.00 | 32.0 | 0 |" in format_report(MixResult(answers, wall_s=4.0))
-    assert format_report(MixResult(answers, wall_s=4.0)).split("\n")[2].endswith("| - | - |")  # no load sampled
+    assert format_report(MixResult(answers, wall_s=4.0)).split("\n")[2].endswith("| - | - | - |")  # no load sampled
     prefill, steady = StepShape("flash-cache", 2, 1024), StepShape("flash-cache", 2, 32)
     steps = [(0.5, prefill), (0.010, steady), (0.010, steady), (0.030, steady)]
-    report = format_report(MixResult(answers, wall_s=4.0, steps=steps, load=[(2, 0)] * 8 + [(1, 0), (2, 3)]))
+    load = [LoadSample(2, 0, 0.25)] * 8 + [LoadSample(1, 0, 0.1), LoadSample(2, 3, 0.9)]
+    report = format_report(MixResult(answers, wall_s=4.0, steps=steps, load=load))
     # the worst steady step: 3x its shape's median, not the prefill (after no compile, capture or full collection);
-    # the load: 1-2 requests running, a queue in one sample of ten
-    assert "| 0 | 0.00 | 0 | 0.00 | 0 | 0.00 | 3.00 | 1/2/2 | 0/0/0 |" in report
+    # the load: 1-2 requests running, a queue in one sample of ten, a quarter of the KV cache held
+    assert "| 0 | 0.00 | 0 | 0.00 | 0 | 0.00 | 3.00 | 1/2/2 | 0/0/0 | 0.10/0.25/0.25 |" in report
     assert "| flash-cache | 2 | 1024 | 0 | 1 | 500.0 | 1.00 |" in report
     assert "| flash-cache | 2 | 32 | 0 | 3 | 10.0 | 3.00 |" in report
+    assert "minute of arrival" not in report  # one minute: no table by minute
     assert metric_sums('# HELP x y\nx{replica="0"} 1\nx{replica="1"} 2.5\nz 3\n') == {"x": 3.5, "z": 3.0}
+
+
+def test_report_by_minute_of_arrival():
+    """Slow requests that cluster in one minute (an episode of the engine's) stand out from the mix's spread."""
+    spec = MixSpec(num_requests=6, rate=1 / 30, arrivals="even", methods=("flash-cache",), routings=(None,),
+                   prompt_lengths=(64,), max_tokens=(32,))
+    requests = mix_requests(spec)  # two arrivals a minute: at 30 and 60 s, 90 and 120 s, 150 and 180 s
+    answers = [MixAnswer(r, True, 0.1, e2e, 32) for r, e2e in zip(requests, (1.0, 1.0, 2.0, 1.2, 1.0, 1.0))]
+    assert MixResult(answers, wall_s=200.0).minute_rows() == [(0, 1, "1.00", "1.00", "1.00", 0),
+                                                              (1, 2, "1.00", "2.00", "2.00", 1),
+                                                              (2, 2, "1.00", "1.20", "1.20", 0),
+                                                              (3, 1, "1.00", "1.00", "1.00", 0)]
+    assert "| 1 | 2 | 1.00 | 2.00 | 2.00 | 1 |" in format_report(MixResult(answers, wall_s=200.0))
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the kernels, interpreted on the CPU")

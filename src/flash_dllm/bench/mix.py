@@ -8,7 +8,10 @@ after ready and their time
 (engine/counters.py: from /metrics before and after, or in process); the steps' times per method, batch size,
 work and routed rows (`StepShape`; offline: each step; server: the worst step of each minute over its shape's
 median, from /metrics while the mix runs); the requests running and waiting (offline: at each step; server: from
-/metrics every few seconds), which tell a load the engine keeps up with from one it queues.
+/metrics every few seconds), which tell a load the engine keeps up with from one it queues, and the fraction of KV-cache
+rows held (requests wait with fewer than the maximum running where no free range of the cache holds the next one);
+and by minute of arrival, the requests' end-to-end latency over their shape's p50 (slow requests that cluster in time
+point at an episode of the engine's, spread ones at the mix).
 
 Prompts are random token ids (a seeded stream per request); answers are not checked (`bench serve` checks them).
 """
@@ -20,7 +23,7 @@ import random
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from ..engine.counters import ReadyMark, StepShape, percentile, step_ratios
 
@@ -106,6 +109,12 @@ def mix_requests(spec: MixSpec, vocab_size: int | None = None) -> list[MixReques
     return requests
 
 
+class LoadSample(NamedTuple):
+    running: int
+    waiting: int
+    kv_cache_use: float  # the fraction of the KV cache's rows held by requests (the fullest replica's)
+
+
 @dataclass
 class MixAnswer:
     request: MixRequest
@@ -127,7 +136,7 @@ class MixResult:
     longest_step: tuple[float, float] = (0.0, 0.0)  # (seconds, the worst step over its shape's median)
     # offline: the compiles, captures and collections after ready per (kind, kernel, graph key or "full")
     after_ready: dict = field(default_factory=dict)
-    load: list[tuple[int, int]] = field(default_factory=list)  # samples of (requests running, requests waiting)
+    load: list[LoadSample] = field(default_factory=list)
 
     @property
     def ok(self) -> list[MixAnswer]:
@@ -153,19 +162,35 @@ class MixResult:
         return (len(self.answers), len(self.answers) - len(self.ok), f"{self.wall_s:.1f}",
                 f"{len(self.ok) / self.wall_s:.2f}", f"{tokens / self.wall_s:.1f}", self.compiles[0],
                 f"{self.compiles[1]:.2f}", self.captures[0], f"{self.captures[1]:.2f}", self.collections[0],
-                f"{self.collections[1]:.2f}", f"{worst:.2f}", self.load_percentiles(0),
-                self.load_percentiles(1))
+                f"{self.collections[1]:.2f}", f"{worst:.2f}", self.load_percentiles("running"),
+                self.load_percentiles("waiting"), self.load_percentiles("kv_cache_use", "{:.2f}"))
 
-    def load_percentiles(self, column: int) -> str:
-        values = [sample[column] for sample in self.load]
-        return "/".join(f"{percentile(values, q):.0f}" for q in (0.1, 0.5, 0.9)) if values else "-"
+    def load_percentiles(self, name: str, form: str = "{:.0f}") -> str:
+        values = [getattr(sample, name) for sample in self.load]
+        return "/".join(form.format(percentile(values, q)) for q in (0.1, 0.5, 0.9)) if values else "-"
+
+    def minute_rows(self) -> list[tuple]:
+        """Per minute of arrival: the requests that arrived in it, and their end-to-end latency over the p50 of
+        their shape's (shapes with at least two answers): p50, p90, the largest, and how many exceed 1.3x."""
+        by_shape: dict[tuple, list[float]] = {}
+        for a in self.ok:
+            by_shape.setdefault(a.request.shape, []).append(a.e2e_s)
+        p50 = {shape: percentile(v, 0.5) for shape, v in by_shape.items() if len(v) >= 2}
+        minutes: dict[int, list[float]] = {}
+        for a in self.ok:
+            if p50.get(a.request.shape, 0) > 0:
+                minutes.setdefault(int(a.request.arrival_s // 60), []).append(a.e2e_s / p50[a.request.shape])
+        return [(minute, len(v), f"{percentile(v, 0.5):.2f}", f"{percentile(v, 0.9):.2f}", f"{max(v):.2f}",
+                 sum(ratio > 1.3 for ratio in v)) for minute, v in sorted(minutes.items())]
 
 
 GROUP_HEADER = ("method", "routing", "requests", "errors", "TTFT p50 s", "TTFT p90 s", "TTFT p99 s", "e2e p50 s",
                 "e2e p90 s", "e2e p99 s", "worst shape p99/p50")
 SUMMARY_HEADER = ("requests", "errors", "wall s", "requests/s", "tokens/s", "compiles after ready", "compile s",
                   "captures after ready", "capture s", "full GCs after ready", "GC s",
-                  "longest step / median of its shape", "running p10/p50/p90", "waiting p10/p50/p90")
+                  "longest step / median of its shape", "running p10/p50/p90", "waiting p10/p50/p90",
+                  "KV cache use p10/p50/p90")
+MINUTE_HEADER = ("minute of arrival", "requests", "e2e / shape p50: p50", "p90", "max", "over 1.3x")
 STEP_HEADER = ("method", "batch size", "query rows (to a power of 2)", "routed rows", "steps", "median step ms",
                "longest / median")
 
@@ -185,6 +210,8 @@ def format_report(result: MixResult) -> str:
 
     parts = [markdown_table(SUMMARY_HEADER, [result.summary_row()]), "", markdown_table(GROUP_HEADER,
                                                                                            result.group_rows())]
+    if len(minutes := result.minute_rows()) > 1:
+        parts += ["", markdown_table(MINUTE_HEADER, minutes)]
     if result.steps:
         rows = [(*shape, n, f"{median * 1e3:.1f}", f"{ratio:.2f}")
                 for shape, (n, median, ratio) in step_ratios(result.steps).items()]
@@ -229,7 +256,9 @@ def run_offline(llm, spec: MixSpec, requests: list[MixRequest] | None = None) ->
         finished = engine.step()
         ended = time.perf_counter()
         steps.append((ended - began, engine.last_step))
-        load.append((engine.num_running, len(engine.scheduler.waiting)))
+        allocator = engine.allocator
+        load.append(LoadSample(engine.num_running, len(engine.scheduler.waiting),
+                               1 - allocator.num_free / allocator.num_rows if allocator is not None else 0.0))
         at = ended - start
         for seq in engine.running:
             if seq in live and live[seq][1] is None and seq.final_length > 0:
@@ -330,7 +359,7 @@ async def run_online(config: MixServeConfig) -> MixResult:
     async with server_client(config.url, config.api_key, spec.num_requests + 2, 3600) as client:
         before = metric_sums((await client.get("/metrics")).text)
         longest: list[tuple[float, float]] = []
-        load: list[tuple[int, int]] = []
+        load: list[LoadSample] = []
 
         async def sample_steps():
             while True:
@@ -339,8 +368,9 @@ async def run_online(config: MixServeConfig) -> MixResult:
                 longest.append((metric_max(text, "flash_dllm_step_seconds_max"),
                                 metric_max(text, "flash_dllm_step_seconds_max_ratio")))
                 sums = metric_sums(text)
-                load.append((int(sums.get("flash_dllm_requests_running", 0)),
-                             int(sums.get("flash_dllm_requests_waiting", 0))))
+                load.append(LoadSample(int(sums.get("flash_dllm_requests_running", 0)),
+                                       int(sums.get("flash_dllm_requests_waiting", 0)),
+                                       metric_max(text, "flash_dllm_kv_cache_usage_ratio")))
 
         sampler = asyncio.create_task(sample_steps())
         start = time.perf_counter()
