@@ -47,7 +47,7 @@ serve_and_mix() {  # serve_and_mix NAME: start a server, time it to ready, run t
   echo "## ${name}: ready after $((SECONDS - start)) s"
   curl -s localhost:8123/metrics > "$OUT/${name}_metrics_ready.txt"
   [ "${MIX_RUN:-1}" = 1 ] && TAIL=30 step "${name}_mix" "${MIX_S:-420}" python -m flash_dllm.cli bench serve \
-      --url http://127.0.0.1:8123 --mix $MIX
+      --url http://127.0.0.1:8123 --mix $MIX --mix-save "$OUT/${name}_requests.jsonl"
   curl -s localhost:8123/metrics > "$OUT/${name}_metrics_end.txt"
   grep -E "after_ready|step_seconds|start_up" "$OUT/${name}_metrics_end.txt"
   kill $pid; wait $pid 2> /dev/null

@@ -575,7 +575,7 @@ def cmd_bench_mix(args):
     """The mix offline: the engine's loop with arrivals, after the warm-up `serve` runs before ready."""
     import torch
 
-    from .bench.mix import format_report, run_offline, warm_up
+    from .bench.mix import format_report, run_offline, save_answers, warm_up
 
     spec = mix_spec_from_args(args)
     llm = llm_from_args(args, max_batch_size=args.max_batch)
@@ -586,7 +586,10 @@ def cmd_bench_mix(args):
           f"{describe_mix(spec)}; warm-up {time.perf_counter() - start:.1f} s"
           + (" (KV cache and compile_kernels only)" if phases is None else f" ({phases})")
           + ("; CUDA graphs captured during the mix" if args.capture_after_ready and llm.runner.graphs else ""))
-    print(format_report(run_offline(llm, spec)))
+    result = run_offline(llm, spec)
+    print(format_report(result))
+    if args.mix_save:
+        save_answers(result, args.mix_save)
 
 
 def cmd_bench_serve(args):
@@ -600,12 +603,14 @@ def cmd_bench_serve(args):
     if not isinstance(fields, dict):
         raise ValueError("--fields must be a JSON object of request fields")
     if args.mix:
-        from .bench.mix import MixServeConfig, bench_serve_mix, format_report
+        from .bench.mix import MixServeConfig, bench_serve_mix, format_report, save_answers
 
         spec = mix_spec_from_args(args)
         result = bench_serve_mix(MixServeConfig(url=args.url, spec=spec, fields=fields, api_key=args.api_key))
         print(f"# bench serve --mix: {args.url}; {describe_mix(spec)}; fields {json.dumps(fields)}")
         print(format_report(result))
+        if args.mix_save:
+            save_answers(result, args.mix_save)
         for answer in [a for a in result.answers if a.error][:5]:
             print(f"error: request {answer.request.index}: {answer.error}", file=sys.stderr)
         return
@@ -641,6 +646,8 @@ def add_mix_args(parser):
     parser.add_argument("--mix-arrivals", choices=list(ARRIVALS), default=d.arrivals,
                         help="mix: arrivals as a Poisson process at --rate, or evenly spaced at it (the same requests)")
     parser.add_argument("--mix-seed", type=int, default=d.seed, help="mix: the seed of the whole mix")
+    parser.add_argument("--mix-save", metavar="PATH", help="mix: also write every request's shape, arrival, TTFT and "
+                        "end-to-end time to PATH, one JSON object a line")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,13 +1,14 @@
 """The mixed-load benchmark: a seeded mix, and offline after the server's warm-up no kernel variant is new."""
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
 
 from flash_dllm import LLM
 from flash_dllm.bench.mix import (LoadSample, MixAnswer, MixResult, MixSpec, format_report, metric_sums,
-                                  mix_requests, run_offline, worst_shape_ratio)
+                                  mix_requests, run_offline, save_answers, worst_shape_ratio)
 from flash_dllm.engine.counters import StepShape
 from flash_dllm.engine.warmup import before_ready
 
@@ -52,7 +53,7 @@ def test_report_per_method_and_shape():
     assert metric_sums('# HELP x y\nx{replica="0"} 1\nx{replica="1"} 2.5\nz 3\n') == {"x": 3.5, "z": 3.0}
 
 
-def test_report_by_minute_of_arrival():
+def test_report_by_minute_of_arrival(tmp_path):
     """Slow requests that cluster in one minute (an episode of the engine's) stand out from the mix's spread."""
     spec = MixSpec(num_requests=6, rate=1 / 30, arrivals="even", methods=("flash-cache",), routings=(None,),
                    prompt_lengths=(64,), max_tokens=(32,))
@@ -63,6 +64,10 @@ def test_report_by_minute_of_arrival():
                                                               (2, 2, "1.00", "1.20", "1.20", 0),
                                                               (3, 1, "1.00", "1.00", "1.00", 0)]
     assert "| 1 | 2 | 1.00 | 2.00 | 2.00 | 1 |" in format_report(MixResult(answers, wall_s=200.0))
+    save_answers(MixResult(answers, wall_s=200.0), tmp_path / "requests.jsonl")  # --mix-save: every request
+    saved = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
+    assert [(s["index"], s["arrival_s"], s["e2e_s"], s["prompt_length"], s["routing"]) for s in saved[:3]] == [
+        (0, 30.0, 1.0, 64, "dense"), (1, 60.0, 1.0, 64, "dense"), (2, 90.0, 2.0, 64, "dense")]
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the kernels, interpreted on the CPU")

@@ -222,6 +222,17 @@ def format_report(result: MixResult) -> str:
     return "\n".join(parts)
 
 
+def save_answers(result: MixResult, path: str):
+    """Every request's shape, arrival and outcome, one JSON object a line (the report's raw material)."""
+    with open(path, "w") as out:
+        for a in result.answers:
+            r = a.request
+            out.write(json.dumps({"index": r.index, "method": r.method, "routing": r.kv_routing or DENSE,
+                                  "prompt_length": len(r.prompt_ids), "max_tokens": r.max_tokens,
+                                  "arrival_s": round(r.arrival_s, 4), "ok": a.ok, "ttft_s": round(a.ttft_s, 4),
+                                  "e2e_s": round(a.e2e_s, 4), "tokens": a.tokens, "error": a.error}) + "\n")
+
+
 # Offline: the engine's loop with arrivals (LLM.generate takes its prompts at once; this is its loop, adding each
 # request at its arrival time).
 
