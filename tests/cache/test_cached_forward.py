@@ -142,3 +142,52 @@ def test_an_fp8_cache_stores_each_head_quantised(model):
         assert torch.equal(scale[slots], expected_scale) and not values[[1, 3, 4]].float().any()
     keys = layer_keys(cache, 1, slots)
     assert keys.dtype == torch.float32 and torch.equal(keys, dequantize_kv(*quantize_rows_ref(k), torch.float32))
+
+
+def test_allocator_compacts_the_held_ranges_into_one_free_range():
+    """Free rows split into holes that no request fits: compaction slides the held ranges (adjacent ones as one) to
+    the start and returns the moves; the moved requests release as before."""
+    allocator = CacheAllocator(100, align=1)
+    a, b, c = allocator.allocate(30), allocator.allocate(30), allocator.allocate(30)
+    allocator.release(b, 30)
+    assert allocator.allocate(35) is None and allocator.fits_compacted(35) and not allocator.fits_compacted(41)
+    assert allocator.compact() == [(60, 30, 30)] and allocator.allocate(35) == 60
+    allocator.release(a, 30)
+    allocator.release(30, 30)  # c, moved
+    allocator.release(60, 35)
+    assert allocator.num_free == 100 and len(allocator.free) == 1
+    # aligned: a range that ends the cache holds fewer rows than its rounded length until it moves
+    allocator = CacheAllocator(100, align=32)
+    a, b, c = allocator.allocate(30), allocator.allocate(33), allocator.allocate(3)
+    assert (a, b, c) == (0, 32, 96) and allocator.num_free == 0
+    allocator.release(a, 30)
+    assert allocator.fits_compacted(4) and not allocator.fits_compacted(5)  # c holds 32 rows once moved
+    assert allocator.compact() == [(32, 0, 68)] and allocator.free[0].start == 96
+    allocator.release(0, 33)
+    allocator.release(64, 3)
+    assert allocator.num_free == 100 and len(allocator.free) == 1
+    assert CacheAllocator(64).compact() == []
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn])
+def test_cache_rows_move_with_everything_kept_beside_them(model, kv_dtype):
+    """K, V, their fp8 scales, the hidden states, each row's k-means region and each chunk's summaries and regions
+    follow a move, also one that overlaps its own new place; rows outside it stay."""
+    cache = KVCache(model.config, 160, torch.float32, "cpu", kv_dtype=kv_dtype)
+    cache.hidden_states(), cache.chunk_summaries(32), cache.kmeans_regions(32)
+    tensors = [*cache.k, *cache.v, *(cache.k_scale or []), *(cache.v_scale or []), *cache.hidden_states(),
+               *cache.kmeans_regions(32)[1], *cache.kmeans_regions(32)[3]]
+    chunked = [*cache.chunk_summaries(32), *cache.kmeans_regions(32)[0], *cache.kmeans_regions(32)[2]]
+    generator = torch.Generator().manual_seed(0)
+    for t in (*tensors, *chunked):
+        t.copy_(torch.randint(-100, 100, t.shape, generator=generator).to(t.dtype))
+    before = [t.clone() for t in (*tensors, *chunked)]
+    cache.move_rows([(64, 0, 40), (128, 64, 32)])  # the first over rows it does not hold; then one onto rows it left
+    for t, old in zip(tensors, before):
+        assert torch.equal(t[:40].float(), old[64:104].float()) and torch.equal(t[64:96].float(), old[128:160].float())
+        assert torch.equal(t[96:].float(), old[96:].float())  # not a target: as it was
+    for t, old in zip(chunked, before[len(tensors):]):
+        assert torch.equal(t[:2].float(), old[2:4].float()) and torch.equal(t[2].float(), old[4].float())
+    keys = cache.k[0].clone()
+    cache.move_rows([(32, 0, 96)])  # overlapping its own new place
+    assert torch.equal(cache.k[0][:96].float(), keys[32:128].float())

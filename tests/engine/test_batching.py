@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from conftest import eos_biased_llm
 
-from flash_dllm import SamplingParams
+from flash_dllm import LLM, SamplingParams
+from flash_dllm.cache import KVCache
 from flash_dllm.engine.llm_engine import LLMEngine
 from flash_dllm.engine.scheduler import Scheduler
 from flash_dllm.engine.sequence import Sequence
@@ -152,3 +154,55 @@ def test_interrupted_generate_leaves_the_engine_clean(gqa_checkpoint):
     assert not llm.engine.has_unfinished()
     assert llm.engine.allocator.num_free == llm.engine.allocator.num_rows
     assert [o.token_ids for o in llm.generate(PROMPTS[:3], params)] == [o.token_ids for o in expected]
+
+
+COMPACTED = [SamplingParams(method=m, max_tokens=16, block_length=8, kv_routing=r, kv_budget=0.5 if r else None)
+             for m, r in [("flash-cache", None), ("flash-cache", "chunk"), ("flash-cache", "kmeans"),
+                          ("dual-cache", None), ("dual-cache", "kmeans"), ("prefix-cache", "chunk"), ("elastic", None),
+                          ("flash-verify", None)]]
+
+
+@pytest.mark.parametrize("params", COMPACTED, ids=lambda p: f"{p.method}-{p.kv_routing or 'dense'}")
+def test_compacting_the_cache_mid_run_keeps_the_tokens(gqa_checkpoint, params):
+    """Running requests whose cache rows slide to the cache's start between two steps (their K/V, hidden states,
+    chunk summaries and k-means regions moved, their batch's bases updated in place) decode the tokens they decode
+    where they were."""
+    llm = LLM(str(gqa_checkpoint), device="cpu", dtype="float32", max_batch_size=4)
+    prompts = [[16 + (7 * i + j) % 200 for i in range(n)] for j, n in enumerate((150, 96))]
+    expected = [o.token_ids for o in llm.generate(prompts, params)]
+    engine = llm.engine
+    seqs = [engine.add_request(p, params) for p in prompts]
+    ghost = engine.allocator.allocate(64)  # rows 0-63 held by no request: the moved ranges start after them
+    for _ in range(5):
+        engine.step()
+    assert min(seq.cache_base for seq in seqs) >= 64 and engine.has_unfinished()
+    engine.allocator.release(ghost, 64)
+    engine.compact_cache()
+    assert min(seq.cache_base for seq in seqs) == 0 and (engine.compactions, engine.rows_moved) == (1, 320)
+    while engine.has_unfinished():
+        engine.step()
+    assert [seq.output_ids for seq in seqs] == expected
+
+
+def test_a_request_that_fits_only_in_a_compacted_cache_is_admitted_at_once(gqa_checkpoint):
+    """Free rows in two holes, neither long enough for the waiting request: the engine compacts the cache and admits
+    it, instead of waiting for a neighbour to finish; each request decodes as if alone."""
+    probe = LLM(str(gqa_checkpoint), device="cpu", dtype="float32")
+    per_row = KVCache.bytes_per_row(probe.config, torch.float32)
+    llm = LLM(str(gqa_checkpoint), device="cpu", dtype="float32", max_batch_size=4, kv_cache_bytes=192 * per_row)
+    short, long = (SamplingParams(method="flash-cache", max_tokens=n, block_length=8) for n in (8, 32))
+    # rows: A 0-31 (24 + 8), B 32-95 and C 96-159 (32 + 32), a tail of 32; D (32 + 32) waits for 64 in one range
+    requests = [([16 + i for i in range(24)], short), *(([20 + j + i for i in range(32)], long) for j in range(3))]
+    engine = llm.engine
+    seqs = [engine.add_request(ids, params) for ids, params in requests]
+    engine.step()
+    assert [seq.cache_base for seq in seqs] == [0, 32, 96, None] and engine.allocator.num_rows == 192
+    while not seqs[0].is_finished:
+        engine.step()
+    assert seqs[3].cache_base is None and engine.compactions == 0
+    engine.step()  # A's 32 rows and the tail's 32: D gets 64 once B and C slide to the start
+    assert engine.compactions == 1 and [seq.cache_base for seq in seqs[1:]] == [0, 64, 128]
+    while engine.has_unfinished():
+        engine.step()
+    for seq, (ids, params) in zip(seqs, requests):
+        assert seq.output_ids == probe.generate([ids], params)[0].token_ids

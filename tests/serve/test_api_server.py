@@ -223,7 +223,8 @@ def test_metrics(client):
     client.post("/v1/completions", json={"prompt": QUESTION, "method": "flash-cache"})
     text = client.get("/metrics").text
     for name in ("requests_total", "requests_waiting", "tokens_per_second", "nfe_total", "tokens_per_step",
-                 "kv_cache_usage_ratio", "generated_tokens_total", "start_up_seconds",
+                 "kv_cache_usage_ratio", "kv_cache_compactions_total", "kv_cache_rows_moved_total",
+                 "generated_tokens_total", "start_up_seconds",
                  "kernel_compiles_after_ready_total", "kernel_compile_seconds_after_ready_total",
                  "graph_captures_after_ready_total", "graph_capture_seconds_after_ready_total",
                  "gc_collections_after_ready_total", "gc_collection_seconds_after_ready_total", "step_seconds_max",
@@ -231,6 +232,7 @@ def test_metrics(client):
         assert f"# TYPE flash_dllm_{name} " in text
     # the CPU's PyTorch path compiles and captures nothing; its steps were timed
     assert metric(client, "flash_dllm_graph_captures_after_ready_total") == 0
+    assert metric(client, "flash_dllm_kv_cache_compactions_total") == 0  # one request: no holes
     assert metric(client, "flash_dllm_step_seconds_max") > 0 and metric(client, "flash_dllm_step_seconds_max_ratio") >= 1
     rows = next(line for line in text.splitlines() if line.startswith("flash_dllm_kv_cache_rows "))
     assert float(rows.split()[1]) > 0

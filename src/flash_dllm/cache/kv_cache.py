@@ -3,7 +3,9 @@
 A request owns a contiguous range of cache rows, one row per position of its sequence (prompt and
 generated region): row = base + position. K is stored after RoPE. Nothing is allocated per step. Ranges start
 at multiples of ALIGN rows, so that a request's chunks of routed prompt keys (cache/routing.py) are the
-cache's own chunks, whose summaries are kept beside it.
+cache's own chunks, whose summaries are kept beside it. Ranges come and go with requests of any length, so the
+free rows can end up in holes that no waiting request fits: then the held ranges slide to the cache's start
+(`CacheAllocator.compact`, `KVCache.move_rows`), which copies rows instead of leaving a request waiting.
 """
 from __future__ import annotations
 
@@ -53,12 +55,14 @@ class KVCache:
         self._hidden: list[torch.Tensor] | None = None
         self._summaries: list[torch.Tensor] | None = None
         self._kmeans: tuple[list[torch.Tensor], ...] | None = None
+        self._chunk: int | None = None  # the rows per entry of the summaries and k-means regions, once allocated
 
     def chunk_summaries(self, chunk: int) -> list[torch.Tensor]:
         """Per layer [rows / chunk (rounded up), 3, kv_heads, head_dim]: the lower bounds, upper bounds and mean of
         the prompt keys of each chunk of `chunk` cache rows (written by kernels/chunk_summaries.py with the
         prompt's keys), allocated at first use: 3 / chunk of the K bytes."""
         if self._summaries is None:
+            self._chunk = chunk
             k = self.k[0]
             shape = (-(-k.shape[0] // chunk), 3, *k.shape[1:])
             self._summaries = [torch.zeros(shape, dtype=self.dtype, device=k.device) for _ in self.k]
@@ -73,6 +77,7 @@ class KVCache:
         [rows / chunk (rounded up) + 1, kv_heads] int32: each region's number of keys, kept as the summaries; and
         [num_rows + 1, kv_heads] int32: the region of each position's key (at row start + position; -1: none)."""
         if self._kmeans is None:
+            self._chunk = chunk
             k = self.k[0]
             regions = -(-k.shape[0] // chunk) + 1
             self._kmeans = ([torch.zeros(regions, 3, *k.shape[1:], dtype=self.dtype, device=k.device) for _ in self.k],
@@ -86,6 +91,25 @@ class KVCache:
             k = self.k[0]
             self._hidden = [torch.zeros(self._hidden_shape, dtype=self.dtype, device=k.device) for _ in self.k]
         return self._hidden
+
+    def move_rows(self, moves: list[tuple[int, int, int]]):
+        """Copy each (old start, new start, rows) range of rows, in order, with everything kept per row beside K
+        and V (fp8 scales, hidden states, each row's k-means region) and per chunk of rows (chunk summaries,
+        k-means regions and sizes; starts are multiples of ALIGN, which the chunk divides). A range may overlap
+        its own new place (`CacheAllocator.compact` slides ranges towards the start)."""
+        per_row = [*self.k, *self.v, *(self.k_scale or []), *(self.v_scale or []), *(self._hidden or [])]
+        per_chunk = []
+        if self._kmeans is not None:
+            per_row += [*self._kmeans[1], *self._kmeans[3]]
+            per_chunk += [*self._kmeans[0], *self._kmeans[2]]
+        per_chunk += self._summaries or []
+        chunk = self._chunk or 1  # per_chunk is empty until a chunk size is set
+        for old, new, rows in moves:
+            for tensors, source, target, count in ((per_row, old, new, rows),
+                                                   (per_chunk, old // chunk, new // chunk, -(-rows // chunk))):
+                for t in tensors:
+                    part = t[source:source + count]
+                    t[target:target + count] = part.clone() if abs(source - target) < count else part
 
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Store k, v [N, kv_heads, head_dim] (rotated K, in the model's dtype) at the layer's rows slot_mapping [N]:
@@ -168,6 +192,39 @@ class CacheAllocator:
 
     def _rounded(self, length: int) -> int:
         return -(-length // self.align) * self.align
+
+    def held(self) -> list[_Range]:
+        """The held rows as ranges between the free ones (adjacent requests' ranges make one)."""
+        held, cursor = [], 0
+        for r in [*self.free, _Range(self.num_rows, 0)]:
+            if r.start > cursor:
+                held.append(_Range(cursor, r.start - cursor))
+            cursor = r.start + r.length
+        return held
+
+    def _compacted_end(self, held: list[_Range]) -> int:
+        end = 0
+        for r in held:
+            end = min(end + self._rounded(r.length), self.num_rows)
+        return end
+
+    def fits_compacted(self, length: int) -> bool:
+        """Whether a range of `length` rows would fit once the held ranges are compacted (`compact`)."""
+        return self.num_rows - self._compacted_end(self.held()) >= length
+
+    def compact(self) -> list[tuple[int, int, int]]:
+        """Slide the held ranges to the start of the cache, in order, leaving one free range at the end; returns
+        the moves (old start, new start, rows) for the rows to follow (KVCache.move_rows) and for the requests
+        whose ranges they hold (a request at row s of a move's old range is at s + new - old). A range that ends
+        the cache holds fewer rows than its rounded length; moved, it holds that length again where there is room,
+        as `release` will free."""
+        moves, cursor = [], 0
+        for r in self.held():
+            if r.start != cursor:
+                moves.append((r.start, cursor, r.length))
+            cursor = min(cursor + self._rounded(r.length), self.num_rows)
+        self.free = [_Range(cursor, self.num_rows - cursor)] if cursor < self.num_rows else []
+        return moves
 
     def release(self, start: int, length: int):
         """Free the range `allocate(length)` returned at `start`."""

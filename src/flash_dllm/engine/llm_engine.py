@@ -2,7 +2,8 @@
 
 Requests may be added at any time; each `step()` first admits waiting requests (engine/scheduler.py), each into
 the running batch of its `batch_key`, then runs one iteration of one batch's decoding method for every row and
-retires the rows that finished. The batches share the GPU by time: the next to step is the one whose steps have
+retires the rows that finished. A request whose cache rows are free but not in one range gets them by compacting
+the cache (its held ranges slide to the start), not by waiting for neighbours to finish. The batches share the GPU by time: the next to step is the one whose steps have
 taken the least time per row so far (a new batch starts level with the least served), so that every running
 request gets about the same share whatever its method costs a step, and a request of a rare key advances at once
 instead of waiting for the common key's queue to drain. The KV cache of the cached methods is allocated by the
@@ -52,6 +53,8 @@ class LLMEngine:
         self.current: RunningBatch | None = None  # the one that stepped last
         self.last_step: StepShape | None = None   # its method, rows, work and routed rows
         self.allocator: CacheAllocator | None = None
+        self.holding: set[Sequence] = set()  # the sequences that hold a range of cache rows
+        self.compactions = self.rows_moved = 0  # of the KV cache, and the rows they copied
         self.stop_ids = torch.tensor(special.stop_ids, device=self.device)
         self._request_ids = itertools.count()
 
@@ -106,8 +109,7 @@ class LLMEngine:
                 continue
             if seq in self.scheduler.waiting:
                 self.scheduler.waiting.remove(seq)
-            if seq.cache_base is not None:
-                self.allocator.release(seq.cache_base, seq.length)
+            self._release(seq)
             seq.finish([], "abort", seq.steps, seq.nfe)
 
     def final_prefixes(self, seqs: list[Sequence]) -> list[tuple[list[int], int, int]]:
@@ -130,7 +132,35 @@ class LLMEngine:
         if not method_of(seq.params.method).uses_cache:
             return True
         seq.cache_base = self.allocator.allocate(seq.length)
+        if seq.cache_base is None and self.allocator.fits_compacted(seq.length):
+            self.compact_cache()
+            seq.cache_base = self.allocator.allocate(seq.length)
+        if seq.cache_base is not None:
+            self.holding.add(seq)
         return seq.cache_base is not None
+
+    def _release(self, seq: Sequence):
+        if seq.cache_base is not None:
+            self.allocator.release(seq.cache_base, seq.length)
+            self.holding.discard(seq)
+
+    @torch.inference_mode()
+    def compact_cache(self):
+        """Slide the held cache ranges to the cache's start (their rows copied on the device, in stream order with
+        the steps) and move their sequences and batches with them."""
+        moves = self.allocator.compact()
+        if not moves:
+            return
+        self.runner.cache.move_rows(moves)
+        for seq in self.holding:
+            seq.cache_base += next((new - old for old, new, rows in moves if old <= seq.cache_base < old + rows), 0)
+            if seq.row is not None:
+                seq.row.cache_base = seq.cache_base
+        for group in self.batches.values():  # in place: a graph of the batch's step reads it there
+            if group.batch is not None and group.batch.cache_base is not None:
+                group.batch.cache_base.copy_(torch.tensor([row.cache_base for row in group.batch.rows]))
+        self.compactions += 1
+        self.rows_moved += sum(rows for _, _, rows in moves)
 
     def has_unfinished(self) -> bool:
         return any(group.has_work for group in self.batches.values()) or bool(self.scheduler.waiting)
@@ -259,8 +289,7 @@ class LLMEngine:
                               counters.prompt_keys_dense])[:, done].tolist()
         for index, stop, num_steps, num_fwd, keys_read, keys_dense in zip(done, *finals):
             seq = group.running[index]
-            if seq.cache_base is not None:
-                self.allocator.release(seq.cache_base, seq.length)
+            self._release(seq)
             routed = seq.params.kv_routing is not None and keys_dense > 0
             seq.finish(generated[index, :stop].tolist(), "stop" if stop < length else "length", num_steps, num_fwd,
                        keys_read / keys_dense if routed else None)

@@ -84,6 +84,8 @@ class Stats:
     waiting: int = 0
     kv_cache_rows: int = 0
     kv_cache_used: int = 0
+    kv_cache_compactions: int = 0  # the held ranges slid together so that a waiting request fits
+    kv_cache_rows_moved: int = 0
     recent: deque = field(default_factory=deque)  # (finish time, tokens) of the last minute
     # On a request's path (engine/counters.py): kernel compiles, CUDA-graph captures and full garbage collections
     # after ready, with their seconds; the longest step of the last minute, and the largest ratio of a step to the
@@ -300,3 +302,4 @@ class AsyncEngine:
         if engine.allocator is not None:
             stats.kv_cache_rows = engine.allocator.num_rows
             stats.kv_cache_used = engine.allocator.num_rows - engine.allocator.num_free
+            stats.kv_cache_compactions, stats.kv_cache_rows_moved = engine.compactions, engine.rows_moved
