@@ -5,31 +5,53 @@ The model: every request needs `--steps` engine steps; a step over B running req
 c from `bench mix`'s step table: a compute-bound step grows with its rows), plus the prompt rows of the requests it
 admits (their first pass); at most `--max-batch` run, the rest wait. The requests are the mix's own
 (`bench.mix.mix_requests`, same rate, seed, arrivals and shapes), so this is the run's load replayed through an
-engine whose steps never stall; its worst shape p99/p50 is the statistic `bench mix` reports.
+engine whose steps never stall; its worst shape p99/p50 is the statistic `bench mix` reports. `--kv-rows N`: each
+request also needs prompt + max_tokens rows of a KV cache of N rows (the engine's CacheAllocator, oldest waiting
+request first); `--no-compaction`: as the engine was before it compacted the cache (a request waits while its rows
+are free but split into holes).
 
     python benchmarks/mix_queue_model.py --t0-ms 20 --per-row-ms 3.5 --prefill-ms-per-1k 28 --steps 130 --rates 1.2 1.4 1.6 \
-        --requests 600
+        --requests 600 [--kv-rows 34757 [--no-compaction]]
 """
 from __future__ import annotations
 
 import argparse
 
 from flash_dllm.bench.mix import MixSpec, mix_requests
+from flash_dllm.cache import CacheAllocator
 from flash_dllm.engine.counters import percentile
 from flash_dllm.markdown import markdown_table
 
 
-def replay(requests, t0: float, per_row: float, per_prompt_token: float, steps: int, max_batch: int):
-    """(each request's end-to-end seconds, the batch size of each step) through the model engine. A request's first
-    step also computes its prompt's rows: `per_prompt_token` seconds each, in the step that admits it."""
-    pending, running, waiting, e2e, batches, now = list(requests), [], [], {}, [], 0.0
+def replay(requests, t0: float, per_row: float, per_prompt_token: float, steps: int, max_batch: int,
+           kv_rows: int | None = None, compaction: bool = True):
+    """(each request's end-to-end seconds, the batch size of each step, each request's wait for admission) through
+    the model engine. A request's first step also computes its prompt's rows: `per_prompt_token` seconds each, in
+    the step that admits it. kv_rows: the KV cache's rows (None: unbounded)."""
+    allocator = CacheAllocator(kv_rows) if kv_rows else None
+
+    def reserve(request) -> int | None:
+        length = len(request.prompt_ids) + request.max_tokens
+        base = allocator.allocate(length)
+        if base is None and compaction and allocator.fits_compacted(length):
+            moves = allocator.compact()  # the engine's compact_cache: the running requests' ranges move with it
+            for entry in running:
+                entry[2] += next((new - old for old, new, rows in moves if old <= entry[2] < old + rows), 0)
+            base = allocator.allocate(length)
+        return base
+
+    pending, running, waiting, e2e, batches, waits, now = list(requests), [], [], {}, [], {}, 0.0
     while pending or running or waiting:
         while pending and pending[0].arrival_s <= now:
             waiting.append(pending.pop(0))
         step = t0
         while waiting and len(running) < max_batch:
+            base = reserve(waiting[0]) if allocator else 0
+            if base is None:
+                break
             request = waiting.pop(0)
-            running.append([request, steps])
+            running.append([request, steps, base])
+            waits[request.index] = now - request.arrival_s
             step += per_prompt_token * len(request.prompt_ids)
         if not running:
             now = pending[0].arrival_s
@@ -38,9 +60,12 @@ def replay(requests, t0: float, per_row: float, per_prompt_token: float, steps: 
         now += step + per_row * len(running)
         for entry in running:
             entry[1] -= 1
-        e2e.update({request.index: now - request.arrival_s for request, left in running if left == 0})
+            if entry[1] == 0:
+                e2e[entry[0].index] = now - entry[0].arrival_s
+                if allocator:
+                    allocator.release(entry[2], len(entry[0].prompt_ids) + entry[0].max_tokens)
         running = [entry for entry in running if entry[1] > 0]
-    return [e2e[request.index] for request in requests], batches
+    return [e2e[request.index] for request in requests], batches, [waits[request.index] for request in requests]
 
 
 def worst_shape_ratio(requests, e2e) -> float:
@@ -63,6 +88,8 @@ def main():
     parser.add_argument("--prompt-lengths", type=int, nargs="+", default=[64, 256, 1024, 3968],
                         help="the mix's prompt lengths (h200_mix.sh's SINGLE); its shapes also split dense and chunk")
     parser.add_argument("--max-batch", type=int, default=32)
+    parser.add_argument("--kv-rows", type=int, help="the KV cache's rows (default: unbounded)")
+    parser.add_argument("--no-compaction", action="store_true", help="a request waits while its free rows are split")
     parser.add_argument("--seed", type=int, default=0, help="the mix's seed (its arrival times and shapes)")
     args = parser.parse_args()
     rows = []
@@ -71,12 +98,14 @@ def main():
             spec = MixSpec(num_requests=args.requests, rate=rate, arrivals=arrivals, seed=args.seed,
                            prompt_lengths=tuple(args.prompt_lengths), max_tokens=(128,), methods=("flash-cache",))
             requests = mix_requests(spec)
-            e2e, batches = replay(requests, args.t0_ms / 1e3, args.per_row_ms / 1e3, args.prefill_ms_per_1k / 1024e3,
-                                  args.steps, args.max_batch)
+            e2e, batches, waits = replay(requests, args.t0_ms / 1e3, args.per_row_ms / 1e3,
+                                         args.prefill_ms_per_1k / 1024e3, args.steps, args.max_batch, args.kv_rows,
+                                         not args.no_compaction)
             rows.append((f"{rate:g}", arrivals, "/".join(f"{percentile(batches, q):.0f}" for q in (0.1, 0.5, 0.9)),
+                         "/".join(f"{percentile(waits, q):.2f}" for q in (0.5, 0.9, 0.99)),
                          f"{percentile(e2e, 0.5):.2f}", f"{percentile(e2e, 0.99) / percentile(e2e, 0.5):.2f}",
                          f"{worst_shape_ratio(requests, e2e):.2f}"))
-    print(markdown_table(("requests/s", "arrivals", "running p10/p50/p90", "e2e p50 s", "e2e p99/p50",
+    print(markdown_table(("requests/s", "arrivals", "running p10/p50/p90", "wait p50/p90/p99 s", "e2e p50 s", "e2e p99/p50",
                           "worst shape p99/p50"), rows))
 
 
