@@ -202,15 +202,12 @@ class CacheAllocator:
             cursor = r.start + r.length
         return held
 
-    def _compacted_end(self, held: list[_Range]) -> int:
-        end = 0
-        for r in held:
-            end = min(end + self._rounded(r.length), self.num_rows)
-        return end
-
     def fits_compacted(self, length: int) -> bool:
         """Whether a range of `length` rows would fit once the held ranges are compacted (`compact`)."""
-        return self.num_rows - self._compacted_end(self.held()) >= length
+        end = 0
+        for r in self.held():
+            end = min(end + self._rounded(r.length), self.num_rows)
+        return self.num_rows - end >= length
 
     def compact(self) -> list[tuple[int, int, int]]:
         """Slide the held ranges to the start of the cache, in order, leaving one free range at the end; returns
