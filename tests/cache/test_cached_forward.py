@@ -191,3 +191,17 @@ def test_cache_rows_move_with_everything_kept_beside_them(model, kv_dtype):
     keys = cache.k[0].clone()
     cache.move_rows([(32, 0, 96)])  # overlapping its own new place
     assert torch.equal(cache.k[0][:96].float(), keys[32:128].float())
+
+
+def test_a_compaction_whose_move_fails_changes_nothing():
+    allocator = CacheAllocator(100, align=1)
+    a, b = allocator.allocate(30), allocator.allocate(30)
+    allocator.release(a, 30)
+
+    def failing(moves):
+        assert moves == [(30, 0, 30)]
+        raise MemoryError
+
+    with pytest.raises(MemoryError):
+        allocator.compact(failing)
+    assert [(r.start, r.length) for r in allocator.free] == [(0, 30), (60, 40)]

@@ -78,10 +78,29 @@ def test_scheduler_admits_in_arrival_order_up_to_the_batch_size():
     for seq in seqs:
         scheduler.add(seq)
     admit_all = lambda seq: True
-    assert scheduler.admit(0, admit_all) == seqs[:3]                 # any key, oldest first, up to the rows
-    assert scheduler.admit(3, admit_all) == []
-    assert scheduler.admit(2, lambda seq: False) == []               # no cache rows for the oldest yet: none
-    assert scheduler.admit(2, admit_all) == [seqs[3]]
+    assert list(scheduler.admit(0, admit_all)) == seqs[:3]           # any key, oldest first, up to the rows
+    assert list(scheduler.admit(3, admit_all)) == []
+    assert list(scheduler.admit(2, lambda seq: False)) == []         # no cache rows for the oldest yet: none
+    assert list(scheduler.admit(2, admit_all)) == [seqs[3]]
+
+
+def test_an_admission_that_fails_keeps_the_requests_admitted_before_it():
+    """`reserve` may raise (a compaction of the cache out of memory): the requests admitted before it in the same
+    call have reached the caller, the failing one still waits."""
+    scheduler = Scheduler(max_batch_size=4)
+    seqs = [Sequence(i, [1], SamplingParams()) for i in range(3)]
+    for seq in seqs:
+        scheduler.add(seq)
+
+    def reserve(seq):
+        if seq is seqs[1]:
+            raise MemoryError("compaction")
+        return True
+    placed = []
+    with pytest.raises(MemoryError):
+        for seq in scheduler.admit(0, reserve):
+            placed.append(seq)
+    assert placed == seqs[:1] and list(scheduler.waiting) == seqs[1:]
 
 
 def test_batches_of_different_keys_share_the_steps(llm):
@@ -195,10 +214,10 @@ def test_a_request_that_fits_only_in_a_compacted_cache_is_admitted_at_once(gqa_c
     requests = [([16 + i for i in range(24)], short), *(([20 + j + i for i in range(32)], long) for j in range(3))]
     engine = llm.engine
     seqs = [engine.add_request(ids, params) for ids, params in requests]
-    engine.step()
+    engine.admit()
     assert [seq.cache_base for seq in seqs] == [0, 32, 96, None] and engine.allocator.num_rows == 192
-    while not seqs[0].is_finished:
-        engine.step()
+    while not seqs[0].is_finished:  # A's batch alone (the batches' turns follow their measured times)
+        engine.step_batch(short.batch_key())
     assert seqs[3].cache_base is None and engine.compactions == 0
     engine.step()  # A's 32 rows and the tail's 32: D gets 64 once B and C slide to the start
     assert engine.compactions == 1 and [seq.cache_base for seq in seqs[1:]] == [0, 64, 128]
@@ -206,3 +225,29 @@ def test_a_request_that_fits_only_in_a_compacted_cache_is_admitted_at_once(gqa_c
         engine.step()
     for seq, (ids, params) in zip(seqs, requests):
         assert seq.output_ids == probe.generate([ids], params)[0].token_ids
+
+
+def test_a_compaction_that_fails_leaves_every_range_where_it_was(gqa_checkpoint, monkeypatch):
+    """A copy that fails (out of memory) leaves the allocator, the sequences' ranges and the waiting request as
+    they were; aborting the running requests then frees every row."""
+    probe = LLM(str(gqa_checkpoint), device="cpu", dtype="float32")
+    per_row = KVCache.bytes_per_row(probe.config, torch.float32)
+    llm = LLM(str(gqa_checkpoint), device="cpu", dtype="float32", max_batch_size=4, kv_cache_bytes=192 * per_row)
+    params = SamplingParams(method="flash-cache", max_tokens=32, block_length=8)
+    engine = llm.engine
+    seqs = [engine.add_request([20 + j + i for i in range(32)], params) for j in range(4)]
+    ghost = engine.allocator.allocate(32)
+    engine.step()  # two run, at 32 and 96; 32 rows are left at the end
+    assert [seq.cache_base for seq in seqs] == [32, 96, None, None]
+    engine.allocator.release(ghost, 32)  # 32 free rows at the start, 32 at the end: the third fits compacted
+    free = [(r.start, r.length) for r in engine.allocator.free]
+
+    def failing(moves):
+        raise torch.OutOfMemoryError("staging buffer")
+    monkeypatch.setattr(engine.runner.cache, "move_rows", failing)
+    with pytest.raises(torch.OutOfMemoryError):
+        engine.step()
+    assert [(r.start, r.length) for r in engine.allocator.free] == free and engine.compactions == 0
+    assert [seq.cache_base for seq in seqs] == [32, 96, None, None] and seqs[2] in engine.scheduler.waiting
+    engine.abort([*engine.running, *engine.scheduler.waiting])
+    assert engine.allocator.num_free == engine.allocator.num_rows and not engine.holding

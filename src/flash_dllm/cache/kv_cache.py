@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -18,6 +19,7 @@ from ..config import ModelConfig
 from ..kernels.fp8 import quantize_rows_ref
 
 ALIGN = 32  # rows; routing.CHUNK divides it
+STAGING_BYTES = 64 << 20  # KVCache.move_rows' buffer for a range that overlaps its new place
 
 
 class KVCache:
@@ -56,6 +58,7 @@ class KVCache:
         self._summaries: list[torch.Tensor] | None = None
         self._kmeans: tuple[list[torch.Tensor], ...] | None = None
         self._chunk: int | None = None  # the rows per entry of the summaries and k-means regions, once allocated
+        self._staging: torch.Tensor | None = None  # move_rows' buffer, at its first overlapping move
 
     def chunk_summaries(self, chunk: int) -> list[torch.Tensor]:
         """Per layer [rows / chunk (rounded up), 3, kv_heads, head_dim]: the lower bounds, upper bounds and mean of
@@ -96,7 +99,9 @@ class KVCache:
         """Copy each (old start, new start, rows) range of rows, in order, with everything kept per row beside K
         and V (fp8 scales, hidden states, each row's k-means region) and per chunk of rows (chunk summaries,
         k-means regions and sizes; starts are multiples of ALIGN, which the chunk divides). A range may overlap
-        its own new place (`CacheAllocator.compact` slides ranges towards the start)."""
+        its own new place: `CacheAllocator.compact` slides ranges towards the start, and such a range is copied
+        in ascending blocks through a staging buffer of at most STAGING_BYTES (a whole range's copy would need
+        as much memory again as its rows)."""
         per_row = [*self.k, *self.v, *(self.k_scale or []), *(self.v_scale or []), *(self._hidden or [])]
         per_chunk = []
         if self._kmeans is not None:
@@ -105,11 +110,25 @@ class KVCache:
         per_chunk += self._summaries or []
         chunk = self._chunk or 1  # per_chunk is empty until a chunk size is set
         for old, new, rows in moves:
+            assert new <= old, "ranges move towards the cache's start"
             for tensors, source, target, count in ((per_row, old, new, rows),
                                                    (per_chunk, old // chunk, new // chunk, -(-rows // chunk))):
                 for t in tensors:
-                    part = t[source:source + count]
-                    t[target:target + count] = part.clone() if abs(source - target) < count else part
+                    self._copy_rows(t, source, target, count)
+
+    def _copy_rows(self, t: torch.Tensor, source: int, target: int, count: int):
+        if source - target >= count:  # apart
+            t[target:target + count] = t[source:source + count]
+            return
+        flat = t.view(t.shape[0], -1).view(torch.uint8)  # [rows, bytes of a row]
+        if self._staging is None:
+            self._staging = torch.empty(STAGING_BYTES, dtype=torch.uint8, device=t.device)
+        block = max(1, STAGING_BYTES // flat.shape[1])
+        for start in range(0, count, block):  # a block's target ends before any later block's source starts
+            n = min(block, count - start)
+            staged = self._staging[:n * flat.shape[1]].view(n, flat.shape[1])
+            staged.copy_(flat[source + start:source + start + n])
+            flat[target + start:target + start + n] = staged
 
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Store k, v [N, kv_heads, head_dim] (rotated K, in the model's dtype) at the layer's rows slot_mapping [N]:
@@ -209,17 +228,20 @@ class CacheAllocator:
             end = min(end + self._rounded(r.length), self.num_rows)
         return self.num_rows - end >= length
 
-    def compact(self) -> list[tuple[int, int, int]]:
-        """Slide the held ranges to the start of the cache, in order, leaving one free range at the end; returns
-        the moves (old start, new start, rows) for the rows to follow (KVCache.move_rows) and for the requests
-        whose ranges they hold (a request at row s of a move's old range is at s + new - old). A range that ends
-        the cache holds fewer rows than its rounded length; moved, it holds that length again where there is room,
-        as `release` will free."""
+    def compact(self, move: Callable[[list[tuple[int, int, int]]], None] = lambda moves: None
+                ) -> list[tuple[int, int, int]]:
+        """Slide the held ranges to the start of the cache, in order, leaving one free range at the end. `move`
+        gets the moves (old start, new start, rows) first, for the rows to follow (KVCache.move_rows) and the
+        requests whose ranges they hold (a request at row s of a move's old range is at s + new - old); if it
+        raises, the allocator stays as it was. Returns the moves. A range that ends the cache holds fewer rows
+        than its rounded length; moved, it holds that length again where there is room, as `release` will free."""
         moves, cursor = [], 0
         for r in self.held():
             if r.start != cursor:
                 moves.append((r.start, cursor, r.length))
             cursor = min(cursor + self._rounded(r.length), self.num_rows)
+        if moves:
+            move(moves)
         self.free = [_Range(cursor, self.num_rows - cursor)] if cursor < self.num_rows else []
         return moves
 

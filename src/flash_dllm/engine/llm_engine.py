@@ -20,6 +20,7 @@ import torch
 
 from ..batch import Counters, DecodeBatch, RowState
 from ..cache import CacheAllocator
+from ..cache.attention_metadata import device_tensor
 from ..decoding.registry import METHODS, method_of
 from ..sampling_params import SamplingParams
 from ..tokenizer import SpecialTokens
@@ -144,13 +145,14 @@ class LLMEngine:
             self.allocator.release(seq.cache_base, seq.length)
             self.holding.discard(seq)
 
-    @torch.inference_mode()
     def compact_cache(self):
         """Slide the held cache ranges to the cache's start (their rows copied on the device, in stream order with
-        the steps) and move their sequences and batches with them."""
-        moves = self.allocator.compact()
-        if not moves:
-            return
+        the steps) and move their sequences and batches with them. If the copy fails, the allocator and the
+        sequences keep their ranges (whose rows may be torn: the caller fails the running requests)."""
+        self.allocator.compact(self._move_ranges)
+
+    @torch.inference_mode()
+    def _move_ranges(self, moves: list[tuple[int, int, int]]):
         self.runner.cache.move_rows(moves)
         for seq in self.holding:
             seq.cache_base += next((new - old for old, new, rows in moves if old <= seq.cache_base < old + rows), 0)
@@ -158,7 +160,8 @@ class LLMEngine:
                 seq.row.cache_base = seq.cache_base
         for group in self.batches.values():  # in place: a graph of the batch's step reads it there
             if group.batch is not None and group.batch.cache_base is not None:
-                group.batch.cache_base.copy_(torch.tensor([row.cache_base for row in group.batch.rows]))
+                group.batch.cache_base.copy_(device_tensor([row.cache_base for row in group.batch.rows],
+                                                           self.device))
         self.compactions += 1
         self.rows_moved += sum(rows for _, _, rows in moves)
 

@@ -8,7 +8,7 @@ request overtakes it forever. The engine steps the running batches in turn (engi
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable
+from collections.abc import Callable, Iterator
 
 from .sequence import Sequence
 
@@ -23,9 +23,11 @@ class Scheduler:
     def add(self, seq: Sequence):
         self.waiting.append(seq)
 
-    def admit(self, num_running: int, reserve: Callable[[Sequence], bool]) -> list[Sequence]:
-        """The oldest waiting requests that fit beside `num_running` rows and get their cache rows."""
-        admitted = []
-        while self.waiting and num_running + len(admitted) < self.max_batch_size and reserve(self.waiting[0]):
-            admitted.append(self.waiting.popleft())
-        return admitted
+    def admit(self, num_running: int, reserve: Callable[[Sequence], bool]) -> Iterator[Sequence]:
+        """The oldest waiting requests that fit beside `num_running` rows and get their cache rows, one at a time:
+        the caller places each before the next `reserve` (which may fail, e.g. a compaction of the cache that
+        runs out of memory), so that no admitted request is lost with it."""
+        admitted = 0
+        while self.waiting and num_running + admitted < self.max_batch_size and reserve(self.waiting[0]):
+            admitted += 1
+            yield self.waiting.popleft()
