@@ -51,20 +51,16 @@ def record(args):
 
 
 def analyse(path):
-    """Per shape: p50/p99 of end-to-end time, and of its parts: the steps that advanced the request (own steps),
-    the other batches' steps while it ran, and the time before its first step."""
+    """Per shape: p50/p99 of end-to-end time, of the steps that advanced the request (own steps) and of their
+    time; then the fit of step time (`fit_step_times`), the slowest requests, 10-s windows and the worst steps."""
     data = json.load(open(path))
     answers = {a["index"]: a for a in data["answers"]}
     own = {i: [0, 0.0] for i in answers}  # steps, seconds
-    clock, first, last = 0.0, {}, {}
     for step in data["steps"]:
-        clock += step["seconds"]
         for i in step["rows"]:
             if i in own:
                 own[i][0] += 1
                 own[i][1] += step["seconds"]
-                first.setdefault(i, clock - step["seconds"])
-                last[i] = clock
     by_shape: dict[tuple, list] = {}
     for i, a in answers.items():
         by_shape.setdefault(tuple(a["shape"]), []).append(i)
