@@ -25,6 +25,8 @@
 #                 when offered more) for ARRIVE_S seconds of arrivals, the load sampled from /metrics;
 #                 ARRIVALS=even: the same requests evenly spaced (the spread of equal requests' latency that is left
 #                 is the engine's)
+#   SERVE_ARGS    more `serve` flags for every part that serves (e.g. "--methods flash-cache": no room for hidden
+#                 states in the KV cache, about 1.5x its rows)
 #   PART=trace    PART=steady's mix offline (benchmarks/mix_trace.py): every step's time, rows and query rows, every
 #                 request's latency, then the breakdown (a fit of step time on the batch's make-up, the slowest
 #                 requests, the worst step per minute); ARRIVALS as steady's, RATE default 1.4, TRACE_REQUESTS 150
@@ -37,7 +39,7 @@ FILTER="grep -v variant/s"
 MIX="--rate ${RATE:-3} --requests ${REQUESTS:-300} --mix-prompt-lengths 64 256 1024 3584 --mix-max-tokens ${MIX_MAX_TOKENS:-32 128 512}"
 serve_and_mix() {  # serve_and_mix NAME: start a server, time it to ready, run the mix against it, keep /metrics
   local name=$1 start=$SECONDS
-  PYTHONPATH=${SERVE_SRC:+$SERVE_SRC:}$PYTHONPATH python -m flash_dllm.cli serve --model random:llada-8b --method flash-cache --max-batch 32 --port 8123 \
+  PYTHONPATH=${SERVE_SRC:+$SERVE_SRC:}$PYTHONPATH python -m flash_dllm.cli serve --model random:llada-8b --method flash-cache --max-batch 32 --port 8123 ${SERVE_ARGS:-} \
       > "$OUT/${name}_server.txt" 2>&1 &
   local pid=$!
   until curl -sf localhost:8123/health > /dev/null; do

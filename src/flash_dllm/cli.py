@@ -530,7 +530,8 @@ def cmd_serve(args):
     params = sampling_params_from_args(args)  # the server's defaults, checked before the model loads
     given = {name: getattr(args, name) for name in knobs() if getattr(args, name) is not None}
     config = ServeConfig(model_name=args.served_model_name or Path(args.model or "default").name,
-                         defaults=ServerDefaults(params, given), max_queue=args.max_queue,
+                         defaults=ServerDefaults(params, given, tuple(args.methods) if args.methods else None),
+                         max_queue=args.max_queue,
                          api_key=args.api_key)
     replicas = args.data_parallel_size
     if replicas > 1:
@@ -718,6 +719,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--data-parallel-size", type=at_least(1), default=1,
                      help="engine replicas behind this one HTTP front, each a process on GPUs of its own (times the "
                           "tensor-parallel size) or on the CPU; a request goes to the one with the fewest requests")
+    srv.add_argument("--methods", nargs="+", choices=list(METHODS),
+                     help="the methods the server runs (default: every one); a request for another gets a 400. The "
+                          "start-up warms only these, and without elastic the KV cache keeps no room for per-layer "
+                          "hidden states: about 1.5x the rows for LLaDA-8B in the same memory")
     add_sampling_args(srv)  # the defaults of the fields a request leaves out
     srv.set_defaults(func=cmd_serve)
 

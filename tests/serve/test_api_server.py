@@ -4,6 +4,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import threading
+import time
 
 import httpx
 import openai
@@ -277,6 +278,29 @@ def test_api_key(start_server, offline):
         assert client.completions.create(model="embedded", prompt=QUESTION, max_tokens=32).choices[0].text
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=url + "/v1", api_key="wrong").models.list()
+
+
+def test_a_server_of_some_methods_refuses_the_others_and_keeps_the_cache_for_them(start_server, offline):
+    """`serve --methods`: a request for a method the server does not run gets a 400 naming those it runs; without
+    Elastic-Cache among them the KV cache keeps no room for hidden states (more rows in the same bytes)."""
+    from flash_dllm.serve.api_server import start_up
+    from flash_dllm.serve.protocol import ServerDefaults
+
+    budget = 200 * KVCache.bytes_per_row(offline.config, offline.dtype, with_hidden=True)
+    llm = LLM(device="cpu", dtype="float32", kv_cache_bytes=budget)
+    defaults = ServerDefaults(SamplingParams(method="flash-cache", max_tokens=8, block_length=8),
+                              methods=("flash-cache", "dual-cache"))
+    with start_server(llm, defaults=defaults, start_up=lambda: start_up(llm, defaults)) as url, \
+            httpx.Client(base_url=url, timeout=120) as client:
+        while client.get("/health").status_code != 200:
+            time.sleep(0.05)
+        assert client.post("/v1/completions", json={"prompt": QUESTION, "method": "dual-cache"}).status_code == 200
+        refused = client.post("/v1/completions", json={"prompt": QUESTION, "method": "elastic"})
+        assert refused.status_code == 400 and refused.json()["error"]["message"] == \
+            "method 'elastic' is not served here; this server runs flash-cache, dual-cache"
+    assert llm.runner.cache.num_rows == budget // KVCache.bytes_per_row(offline.config, offline.dtype) > 200
+    with pytest.raises(ValueError, match="the default method 'flash-cache' is not among the served methods"):
+        ServerDefaults(SamplingParams(method="flash-cache"), methods=("dual-cache",))
 
 
 def test_client_that_gives_up_on_a_full_response_is_aborted(server, client):

@@ -390,12 +390,13 @@ def before_ready(llm, methods: tuple[str, ...] | None = None, routings: tuple[st
                  row_counts: tuple[int, ...] = ROW_COUNTS, request_counts: tuple[int, ...] = REQUEST_COUNTS
                  ) -> StartUpPhases:
     """What a server runs before it reports ready (and `bench mix` before its mix): the KV cache, with room for
-    Elastic-Cache's per-layer hidden states, which any request may ask for (allocated later, beyond the budget,
-    they could run the device out of memory while serving); on the kernel path, compile_kernels' passes, routed
-    too (`row_counts`, `request_counts`), and the warm-up requests (`warm_up_requests`' arguments). The caller
+    the per-layer hidden states where one of `methods` (default: every one) keeps them (Elastic-Cache; allocated
+    later, beyond the budget, they could run the device out of memory while serving); on the kernel path,
+    compile_kernels' passes, routed too (`row_counts`, `request_counts`), and the warm-up requests of `methods`
+    (`warm_up_requests`' arguments). The caller
     then runs what else it wants warm and stops the CUDA graphs' captures (CudaGraphs.stop_capturing). With CUDA
     graphs, the steady passes' graphs are captured last (`capture_steady_passes`). Returns the phases' times."""
-    from ..decoding.registry import METHODS
+    from ..decoding.registry import METHODS, method_of
 
     runner, phases = llm.runner, StartUpPhases()
     clock = time.perf_counter()
@@ -405,15 +406,16 @@ def before_ready(llm, methods: tuple[str, ...] | None = None, routings: tuple[st
         before, clock = clock, time.perf_counter()
         return clock - before
 
-    cache = runner.allocate_cache(with_hidden=True)  # on CUDA the dense passes' variants compile here
+    served = tuple(METHODS) if methods is None else methods
+    # on CUDA the dense passes' variants compile here
+    cache = runner.allocate_cache(with_hidden=any(method_of(m).caches_hidden_states for m in served))
     phases.cache_s = lap()
     if runner.kernels:
         compile_kernels(llm.model, cache, row_counts, request_counts, ordered=runner.batch_invariant, routed=True)
         phases.kernels_s = lap()
         phases.requests = warm_up_requests(llm, methods, routings, prompt_lengths, max_tokens, block_length)
         phases.requests_s = lap()
-        phases.pass_graphs = capture_steady_passes(llm, tuple(METHODS) if methods is None else methods,
-                                                   block_length)
+        phases.pass_graphs = capture_steady_passes(llm, served, block_length)
         phases.passes_s = lap()
     return phases
 

@@ -13,7 +13,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict
 
-from ..decoding.registry import method_of
+from ..decoding.registry import METHODS, method_of
 from ..sampling_params import SamplingParams, knobs
 
 
@@ -128,6 +128,14 @@ class ServerDefaults:
 
     params: SamplingParams  # the common fields, and the warm-up's request
     knobs: dict[str, Any] = field(default_factory=dict)  # knobs given on the command line: any method's reads them
+    # the methods the server runs (`serve --methods`; None: every one): the start-up warms only these, and the KV
+    # cache keeps room for per-layer hidden states only where one of them needs it (Elastic-Cache)
+    methods: tuple[str, ...] | None = None
+
+    def __post_init__(self):
+        if self.methods is not None and self.params.method not in self.methods:
+            raise ValueError(f"the default method {self.params.method!r} is not among the served methods "
+                             f"({', '.join(self.methods)}): add it to --methods or pick one of them with --method")
 
 
 def knobs_read(request: CommonRequest, defaults: ServerDefaults) -> set[str]:
@@ -143,6 +151,9 @@ def sampling_params(request: CommonRequest, defaults: ServerDefaults) -> Samplin
         if name not in knobs():
             raise ValueError(f"unknown field {name!r}")
     common = defaults.params
+    method = request.method or common.method
+    if defaults.methods is not None and method in METHODS and method not in defaults.methods:
+        raise ValueError(f"method {method!r} is not served here; this server runs {', '.join(defaults.methods)}")
     reads = knobs_read(request, defaults)
     given = {name: value for name, value in defaults.knobs.items() if name in reads} | extras
     if "top_p" in reads and request.top_p is not None:  # an OpenAI field that some methods read as a knob
