@@ -221,12 +221,18 @@ class CacheAllocator:
             cursor = r.start + r.length
         return held
 
+    def _compaction(self) -> tuple[list[tuple[int, int, int]], int]:
+        """`compact`'s moves, and where its held rows would end."""
+        moves, cursor = [], 0
+        for r in self.held():
+            if r.start != cursor:
+                moves.append((r.start, cursor, r.length))
+            cursor = min(cursor + self._rounded(r.length), self.num_rows)
+        return moves, cursor
+
     def fits_compacted(self, length: int) -> bool:
         """Whether a range of `length` rows would fit once the held ranges are compacted (`compact`)."""
-        end = 0
-        for r in self.held():
-            end = min(end + self._rounded(r.length), self.num_rows)
-        return self.num_rows - end >= length
+        return self.num_rows - self._compaction()[1] >= length
 
     def compact(self, move: Callable[[list[tuple[int, int, int]]], None] = lambda moves: None
                 ) -> list[tuple[int, int, int]]:
@@ -235,11 +241,7 @@ class CacheAllocator:
         requests whose ranges they hold (a request at row s of a move's old range is at s + new - old); if it
         raises, the allocator stays as it was. Returns the moves. A range that ends the cache holds fewer rows
         than its rounded length; moved, it holds that length again where there is room, as `release` will free."""
-        moves, cursor = [], 0
-        for r in self.held():
-            if r.start != cursor:
-                moves.append((r.start, cursor, r.length))
-            cursor = min(cursor + self._rounded(r.length), self.num_rows)
+        moves, cursor = self._compaction()
         if moves:
             move(moves)
         self.free = [_Range(cursor, self.num_rows - cursor)] if cursor < self.num_rows else []

@@ -3,8 +3,9 @@
 Requests may be added at any time; each `step()` first admits waiting requests (engine/scheduler.py), each into
 the running batch of its `batch_key`, then runs one iteration of one batch's decoding method for every row and
 retires the rows that finished. A request whose cache rows are free but not in one range gets them by compacting
-the cache (its held ranges slide to the start), not by waiting for neighbours to finish. The batches share the GPU by time: the next to step is the one whose steps have
-taken the least time per row so far (a new batch starts level with the least served), so that every running
+the cache (its held ranges slide to the start), not by waiting for neighbours to finish. The batches share the GPU
+by time: the next to step is the one whose steps have taken the least time per row so far (a new batch starts
+level with the least served), so that every running
 request gets about the same share whatever its method costs a step, and a request of a rare key advances at once
 instead of waiting for the common key's queue to drain. The KV cache of the cached methods is allocated by the
 model runner at the first request that needs it (on the GPU the Triton kernels are compiled then, before any
@@ -54,7 +55,6 @@ class LLMEngine:
         self.current: RunningBatch | None = None  # the one that stepped last
         self.last_step: StepShape | None = None   # its method, rows, work and routed rows
         self.allocator: CacheAllocator | None = None
-        self.holding: set[Sequence] = set()  # the sequences that hold a range of cache rows
         self.compactions = self.rows_moved = 0  # of the KV cache, and the rows they copied
         self.stop_ids = torch.tensor(special.stop_ids, device=self.device)
         self._request_ids = itertools.count()
@@ -136,14 +136,11 @@ class LLMEngine:
         if seq.cache_base is None and self.allocator.fits_compacted(seq.length):
             self.compact_cache()
             seq.cache_base = self.allocator.allocate(seq.length)
-        if seq.cache_base is not None:
-            self.holding.add(seq)
         return seq.cache_base is not None
 
     def _release(self, seq: Sequence):
         if seq.cache_base is not None:
             self.allocator.release(seq.cache_base, seq.length)
-            self.holding.discard(seq)
 
     def compact_cache(self):
         """Slide the held cache ranges to the cache's start (their rows copied on the device, in stream order with
@@ -154,7 +151,8 @@ class LLMEngine:
     @torch.inference_mode()
     def _move_ranges(self, moves: list[tuple[int, int, int]]):
         self.runner.cache.move_rows(moves)
-        for seq in self.holding:
+        # the sequences that hold rows: every admitted one is placed in a batch before the next is reserved
+        for seq in [seq for seq in self.running if seq.cache_base is not None]:
             seq.cache_base += next((new - old for old, new, rows in moves if old <= seq.cache_base < old + rows), 0)
             if seq.row is not None:
                 seq.row.cache_base = seq.cache_base

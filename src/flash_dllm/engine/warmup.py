@@ -393,9 +393,9 @@ def before_ready(llm, methods: tuple[str, ...] | None = None, routings: tuple[st
     the per-layer hidden states where one of `methods` (default: every one) keeps them (Elastic-Cache; allocated
     later, beyond the budget, they could run the device out of memory while serving); on the kernel path,
     compile_kernels' passes, routed too (`row_counts`, `request_counts`), and the warm-up requests of `methods`
-    (`warm_up_requests`' arguments). The caller
-    then runs what else it wants warm and stops the CUDA graphs' captures (CudaGraphs.stop_capturing). With CUDA
-    graphs, the steady passes' graphs are captured last (`capture_steady_passes`). Returns the phases' times."""
+    (`warm_up_requests`' arguments). The caller then runs what else it wants warm and stops the CUDA graphs'
+    captures (CudaGraphs.stop_capturing). With CUDA graphs, the steady passes' graphs are captured last
+    (`capture_steady_passes`). Returns the phases' times."""
     from ..decoding.registry import METHODS, method_of
 
     runner, phases = llm.runner, StartUpPhases()

@@ -438,8 +438,9 @@ def prometheus_text(replicas: list[tuple[str | None, Stats, bool]], throttled: i
            each(lambda s: s.kv_cache_rows))
     metric("kv_cache_usage_ratio", "gauge", "Fraction of KV-cache rows held by requests.",
            each(lambda s: s.kv_cache_used / max(s.kv_cache_rows, 1)))
-    metric("kv_cache_compactions_total", "counter", "Compactions of the KV cache: its held ranges slid to its start so "
-           "that a waiting request's rows, free but not in one range, became one.", each(lambda s: s.kv_cache_compactions))
+    metric("kv_cache_compactions_total", "counter", "Compactions of the KV cache: its held ranges slid to its start "
+           "so that a waiting request's rows, free but not in one range, became one.",
+           each(lambda s: s.kv_cache_compactions))
     metric("kv_cache_rows_moved_total", "counter", "Cache rows those compactions copied.",
            each(lambda s: s.kv_cache_rows_moved))
     metric("start_up_seconds", "gauge", "Seconds from the engine loop's start to ready (KV cache, compiles, warm-up).",

@@ -162,7 +162,7 @@ def sampling_params(request: CommonRequest, defaults: ServerDefaults) -> Samplin
     if isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None:
         max_tokens = request.max_completion_tokens
     pick = lambda value, default: default if value is None else value
-    return SamplingParams(method=request.method or common.method, max_tokens=pick(max_tokens, common.max_tokens),
+    return SamplingParams(method=method, max_tokens=pick(max_tokens, common.max_tokens),
                           block_length=pick(request.block_length, common.block_length),
                           temperature=pick(request.temperature, common.temperature),
                           seed=pick(request.seed, common.seed), kv_routing=pick(request.kv_routing, common.kv_routing),
