@@ -1,6 +1,8 @@
 """Where equal requests' latency spreads in a one-key mix: `bench mix`'s offline run (serve's warm-up first), with
 every request's shape, arrival, end-to-end time and steps, and every engine step's seconds, shape and rows (which
-requests it advanced), written to a JSON file for `--analyse` to break down.
+requests it advanced), and what else happened in it (Python collections of any generation and their time; the CUDA
+caching allocator's cudaMalloc/cudaFree calls and its retries after freeing its cache, each a device sync), written to
+a JSON file for `--analyse` to break down.
 
     python benchmarks/mix_trace.py --rate 1.4 --requests 150 --arrivals even --out $OUT/mix_trace.json
     python benchmarks/mix_trace.py --analyse $OUT/mix_trace.json
@@ -8,16 +10,21 @@ requests it advanced), written to a JSON file for `--analyse` to break down.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import statistics
+import time
 
 from flash_dllm.engine.counters import percentile
 
+ALLOCATOR_EVENTS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams", "num_ooms")
 SINGLE = dict(methods=("flash-cache",), max_tokens=(128,), routings=(None, "chunk"))  # h200_mix.sh's SINGLE
 
 
 def record(args):
+    import torch
+
     from flash_dllm.bench.mix import MixSpec, run_offline, warm_up
     from flash_dllm.llm import LLM
 
@@ -28,24 +35,42 @@ def record(args):
     engine, trace = llm.engine, []
     first_id = next(engine._request_ids)  # the mix's requests get the ids after it, in arrival order
     step = engine.step
+    collections = []  # (generation, seconds) of every collection
+
+    def on_collection(phase, info, start=[0.0]):
+        if phase == "start":
+            start[0] = time.perf_counter()
+        else:
+            collections.append((info["generation"], time.perf_counter() - start[0]))
+    gc.callbacks.append(on_collection)
+
+    def allocator() -> dict[str, int]:
+        if not torch.cuda.is_available():
+            return {}
+        stats = torch.cuda.memory_stats()
+        return {key: stats.get(key, 0) for key in ALLOCATOR_EVENTS}
 
     def computed(seq) -> int:  # the query rows the sequence's passes have computed so far
         return seq.row.query_rows if seq.row is not None else seq.query_rows
 
     def traced_step():
         before = {seq: computed(seq) for seq in engine.running}
+        events, seen = allocator(), len(collections)
         finished = step()
         if engine.current is not None:
             rows = engine.current.running
             work = sum(computed(seq) - before.get(seq, 0) for seq in rows)
-            trace.append(([seq.request_id - first_id - 1 for seq in rows], work))
+            after = allocator()
+            trace.append(dict(rows=[seq.request_id - first_id - 1 for seq in rows], query_rows=work,
+                              collections=collections[seen:],
+                              allocator={key: after[key] - events[key] for key in after if after[key] != events[key]}))
         return finished
     engine.step = traced_step
     result = run_offline(llm, spec)
     answers = [dict(index=a.request.index, shape=list(a.request.shape), arrival_s=a.request.arrival_s,
                     ttft_s=a.ttft_s, e2e_s=a.e2e_s, tokens=a.tokens) for a in result.answers]
-    steps = [dict(seconds=seconds, shape=list(shape), rows=rows, query_rows=work)
-             for (seconds, shape), (rows, work) in zip(result.steps, trace)]
+    gc.callbacks.remove(on_collection)
+    steps = [dict(seconds=seconds, shape=list(shape), **traced) for (seconds, shape), traced in zip(result.steps, trace)]
     json.dump(dict(rate=args.rate, arrivals=args.arrivals, answers=answers, steps=steps), open(args.out, "w"))
     print(f"wrote {args.out}: {len(answers)} requests, {len(steps)} steps")
 
@@ -162,12 +187,24 @@ def worst_steps(data):
             ratios.append(max(per_step.values()))
         worst += [(per_step[k], k) for k in window]
         print(f"| {window.start}-{window.stop - 1} | {ratios[0]:.2f} | {ratios[1]:.2f} |")
-    print("\n| step | ratio (quarter-octave) | ms | batch | query rows | routed | batch changed |\n|---|---|---|---|---|---|---|")
-    for ratio, k in sorted(worst, reverse=True)[:5]:
+    print("\n| step | ratio (quarter-octave) | ms | batch | query rows | routed | batch changed | collections "
+          "(generation: ms) | allocator events |\n|---|---|---|---|---|---|---|---|---|")
+    for ratio, k in sorted(worst, reverse=True)[:10]:
         step = steps[k]
         changed = k > 0 and step["rows"] != steps[k - 1]["rows"]
+        collected = " ".join(f"{g}: {1e3 * s:.1f}" for g, s in step.get("collections", []))
         print(f"| {k} | {ratio:.2f} | {1e3 * step['seconds']:.1f} | {step['shape'][1]} | {step['query_rows']} | "
-              f"{step['shape'][3]} | {changed} |")
+              f"{step['shape'][3]} | {changed} | {collected} | {step.get('allocator', {}) or ''} |")
+    print("\nsteps with and without each event: how many, and their median ratio to their quarter-octave shape")
+    print("| event | steps with | median ratio with | steps without | median ratio without |\n|---|---|---|---|---|")
+    ratio_of = {k: ratio for ratio, k in worst}
+    events = {"batch changed": lambda k: k > 0 and steps[k]["rows"] != steps[k - 1]["rows"],
+              "a collection": lambda k: bool(steps[k].get("collections")),
+              "cudaMalloc or cudaFree": lambda k: bool(steps[k].get("allocator"))}
+    for name, happened in events.items():
+        split = ([ratio_of[k] for k in ratio_of if happened(k)], [ratio_of[k] for k in ratio_of if not happened(k)])
+        median = lambda v: f"{statistics.median(v):.2f}" if v else "-"
+        print(f"| {name} | {len(split[0])} | {median(split[0])} | {len(split[1])} | {median(split[1])} |")
 
 
 def main():
