@@ -29,7 +29,8 @@
 #                 states in the KV cache, about 1.5x its rows)
 #   PART=trace    PART=steady's mix offline (benchmarks/mix_trace.py): every step's time, rows and query rows, every
 #                 request's latency, then the breakdown (a fit of step time on the batch's make-up, the slowest
-#                 requests, the worst step per minute); ARRIVALS as steady's, RATE default 1.4, TRACE_REQUESTS 150
+#                 requests, the worst step per minute); ARRIVALS default "even poisson" (one trace each, one model), RATE
+#                 default 1.4, TRACE_REQUESTS 150
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}  # carried wheels (serve) stay on the path
@@ -108,9 +109,12 @@ PY
   MIX="--rate $RATE --requests $REQUESTS --mix-arrivals ${ARRIVALS:-poisson} $SINGLE"
   serve_and_mix steady ;;
 trace)
-  TAIL=2 step "trace_${ARRIVALS:-even}" "${TRACE_S:-240}" python benchmarks/mix_trace.py --rate "${RATE:-1.4}" \
-      --requests "${TRACE_REQUESTS:-150}" --arrivals "${ARRIVALS:-even}" --out "$OUT/trace_${ARRIVALS:-even}.json"
-  python benchmarks/mix_trace.py --analyse "$OUT/trace_${ARRIVALS:-even}.json" | tee "$OUT/analysis_${ARRIVALS:-even}.txt" ;;
+  TAIL=3 step trace "${TRACE_S:-480}" python benchmarks/mix_trace.py --rate "${RATE:-1.4}" \
+      --requests "${TRACE_REQUESTS:-150}" --arrivals ${ARRIVALS:-even poisson} --out "$OUT/trace_{arrivals}.json"
+  for arrivals in ${ARRIVALS:-even poisson}; do
+    python benchmarks/mix_trace.py --analyse "$OUT/trace_$arrivals.json" > "$OUT/analysis_$arrivals.txt"
+  done
+  tail -n 40 "$OUT"/analysis_*.txt ;;
 before_after)
   serve_before
   serve_and_mix after ;;

@@ -4,8 +4,8 @@ requests it advanced), and what else happened in it (Python collections of any g
 caching allocator's cudaMalloc/cudaFree calls and its retries after freeing its cache, each a device sync), written to
 a JSON file for `--analyse` to break down.
 
-    python benchmarks/mix_trace.py --rate 1.4 --requests 150 --arrivals even --out $OUT/mix_trace.json
-    python benchmarks/mix_trace.py --analyse $OUT/mix_trace.json
+    python benchmarks/mix_trace.py --rate 1.4 --requests 150 --arrivals even poisson --out '$OUT/trace_{arrivals}.json'
+    python benchmarks/mix_trace.py --analyse $OUT/trace_even.json
 """
 from __future__ import annotations
 
@@ -23,15 +23,24 @@ SINGLE = dict(methods=("flash-cache",), max_tokens=(128,), routings=(None, "chun
 
 
 def record(args):
-    import torch
-
-    from flash_dllm.bench.mix import MixSpec, run_offline, warm_up
+    from flash_dllm.bench.mix import MixSpec, warm_up
     from flash_dllm.llm import LLM
 
-    spec = MixSpec(num_requests=args.requests, rate=args.rate, arrivals=args.arrivals,
-                   prompt_lengths=tuple(args.prompt_lengths), **SINGLE)
     llm = LLM(args.model, max_batch_size=32)
-    warm_up(llm, spec)
+    for arrivals in args.arrivals:  # one model, each pattern after the previous one's mix
+        spec = MixSpec(num_requests=args.requests, rate=args.rate, arrivals=arrivals,
+                       prompt_lengths=tuple(args.prompt_lengths), **SINGLE)
+        warm_up(llm, spec)
+        out = args.out.replace("{arrivals}", arrivals)
+        trace_mix(llm, spec, out)
+        print(f"wrote {out}")
+
+
+def trace_mix(llm, spec, out):
+    import torch
+
+    from flash_dllm.bench.mix import run_offline
+
     engine, trace = llm.engine, []
     first_id = next(engine._request_ids)  # the mix's requests get the ids after it, in arrival order
     step = engine.step
@@ -66,13 +75,15 @@ def record(args):
                               allocator={key: after[key] - events[key] for key in after if after[key] != events[key]}))
         return finished
     engine.step = traced_step
-    result = run_offline(llm, spec)
+    try:
+        result = run_offline(llm, spec)
+    finally:
+        engine.step = step
+        gc.callbacks.remove(on_collection)
     answers = [dict(index=a.request.index, shape=list(a.request.shape), arrival_s=a.request.arrival_s,
                     ttft_s=a.ttft_s, e2e_s=a.e2e_s, tokens=a.tokens) for a in result.answers]
-    gc.callbacks.remove(on_collection)
     steps = [dict(seconds=seconds, shape=list(shape), **traced) for (seconds, shape), traced in zip(result.steps, trace)]
-    json.dump(dict(rate=args.rate, arrivals=args.arrivals, answers=answers, steps=steps), open(args.out, "w"))
-    print(f"wrote {args.out}: {len(answers)} requests, {len(steps)} steps")
+    json.dump(dict(rate=spec.rate, arrivals=spec.arrivals, answers=answers, steps=steps), open(out, "w"))
 
 
 def analyse(path):
@@ -213,8 +224,9 @@ def main():
     parser.add_argument("--rate", type=float, default=1.4)
     parser.add_argument("--requests", type=int, default=150)
     parser.add_argument("--prompt-lengths", type=int, nargs="+", default=[64, 256, 1024, 3968])
-    parser.add_argument("--arrivals", choices=["poisson", "even"], default="even")
-    parser.add_argument("--out", default="mix_trace.json")
+    parser.add_argument("--arrivals", choices=["poisson", "even"], nargs="+", default=["even"],
+                        help="one trace each, in turn on one model")
+    parser.add_argument("--out", default="mix_trace_{arrivals}.json", help="{arrivals} stands for the pattern")
     parser.add_argument("--analyse", help="a trace file to break down instead of running")
     args = parser.parse_args()
     analyse(args.analyse) if args.analyse else record(args)
