@@ -39,11 +39,22 @@ def record(args):
 def trace_mix(llm, spec, out):
     import torch
 
-    from flash_dllm.bench.mix import run_offline
+    from flash_dllm.bench.mix import mix_requests, run_offline
 
     engine, trace = llm.engine, []
-    first_id = next(engine._request_ids)  # the mix's requests get the ids after it, in arrival order
-    step = engine.step
+    requests = mix_requests(spec, llm.config.vocab_size)  # in arrival order: the order run_offline adds them
+    index_of, add_request, step = {}, engine.add_request, engine.step
+
+    def traced_add_request(*args, **kwargs):
+        request = requests[len(index_of) + len(failed)]
+        try:
+            seq = add_request(*args, **kwargs)
+        except ValueError:
+            failed.append(request.index)
+            raise
+        index_of[seq] = request.index
+        return seq
+    failed = []
     collections = []  # (generation, seconds) of every collection
 
     def on_collection(phase, info, start=[0.0]):
@@ -70,18 +81,21 @@ def trace_mix(llm, spec, out):
             rows = engine.current.running
             work = sum(computed(seq) - before.get(seq, 0) for seq in rows)
             after = allocator()
-            trace.append(dict(rows=[seq.request_id - first_id - 1 for seq in rows], query_rows=work,
+            trace.append(dict(rows=[index_of[seq] for seq in rows], query_rows=work,
                               collections=collections[seen:],
                               allocator={key: after[key] - events[key] for key in after if after[key] != events[key]}))
         return finished
-    engine.step = traced_step
+    engine.step, engine.add_request = traced_step, traced_add_request
     try:
-        result = run_offline(llm, spec)
+        result = run_offline(llm, spec, requests)
     finally:
-        engine.step = step
+        engine.step, engine.add_request = step, add_request
         gc.callbacks.remove(on_collection)
     answers = [dict(index=a.request.index, shape=list(a.request.shape), arrival_s=a.request.arrival_s,
-                    ttft_s=a.ttft_s, e2e_s=a.e2e_s, tokens=a.tokens) for a in result.answers]
+                    ttft_s=a.ttft_s, e2e_s=a.e2e_s, tokens=a.tokens) for a in result.answers if a.ok]
+    for a in result.answers:
+        if not a.ok:
+            print(f"request {a.request.index} failed: {a.error}")
     steps = [dict(seconds=seconds, shape=list(shape), **traced) for (seconds, shape), traced in zip(result.steps, trace)]
     json.dump(dict(rate=spec.rate, arrivals=spec.arrivals, answers=answers, steps=steps), open(out, "w"))
 
