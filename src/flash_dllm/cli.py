@@ -534,20 +534,23 @@ def cmd_serve(args):
                          max_queue=args.max_queue,
                          api_key=args.api_key)
     replicas = args.data_parallel_size
-    if replicas > 1:
+    if replicas > 1 or args.engine_process:
         devices = replica_devices(replicas, args.device, args.tensor_parallel_size)
     sock = listening_socket(args.host, args.port)
-    if replicas == 1:  # the engine loop in this process
+    if replicas == 1 and not args.engine_process:  # the engine loop in this process
         llm, pool = llm_from_args(args, max_batch_size=args.max_batch), None
     else:  # this process tokenises; each replica process loads the model
         llm = ModelFront(args.model)
         options = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "func"})
+        if devices[0] is not None:  # a replica sees only its GPUs (cuda:0 ...)
+            options.device = "cuda"
         pool = ReplicaPool(partial(llm_from_args, options, max_batch_size=args.max_batch), config.defaults,
                            devices, args.max_batch)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"flash-dllm: warning: serving on {args.host} without --api-key", file=sys.stderr)
     print(f"flash-dllm: serving {config.model_name} on http://{args.host}:{args.port}"
-          + (f" with {replicas} replicas" if replicas > 1 else ""), file=sys.stderr)
+          + (f" with {replicas} replicas" if replicas > 1 else " from an engine process" if pool else ""),
+          file=sys.stderr)
     try:
         serve(llm, config, sock, pool)
     except ReplicaError as error:  # the replica printed its traceback
@@ -719,6 +722,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--data-parallel-size", type=at_least(1), default=1,
                      help="engine replicas behind this one HTTP front, each a process on GPUs of its own (times the "
                           "tensor-parallel size) or on the CPU; a request goes to the one with the fewest requests")
+    srv.add_argument("--engine-process", action="store_true",
+                     help="with one replica, run its engine loop in a process of its own as each data-parallel "
+                          "replica's is, so that the HTTP front's Python work (parsing, tokenising, streaming) never "
+                          "holds the GIL that the engine's steps need")
     srv.add_argument("--methods", nargs="+", choices=list(METHODS),
                      help="the methods the server runs (default: every one); a request for another gets a 400. The "
                           "start-up warms only these, and without elastic the KV cache keeps no room for per-layer "

@@ -163,6 +163,30 @@ def test_data_parallel_size_is_checked_in_one_line(capsys, monkeypatch):
         replica_devices(2, "cuda", tensor_parallel_size=8)
     with pytest.raises(ValueError, match="--device cuda:1 names one GPU"):
         replica_devices(2, "cuda:1")
+    assert replica_devices(1, "cuda:1") == ["5"]  # --engine-process on a named GPU: the visible one it names
+
+
+def test_engine_process_serves_from_a_process_of_its_own(server):
+    """`serve --engine-process`: one replica whose engine loop runs in a process of its own answers as the
+    in-process server does, and stops with the server."""
+    process, url = serve_process("--engine-process", "--max-batch", "8", "--kv-cache-bytes", str(2**27),
+                                 "--max-tokens", "32", "--block-length", "8", polls=1200)
+    try:
+        (replica,) = httpx.get(url + "/health").json()["replicas"]
+        assert replica["status"] == "ok" and replica["pid"] != process.pid
+        body = {"prompt": [QUESTION, PROGRAM], "seed": 7, "temperature": 0.8, **FIELDS}
+        with httpx.Client(timeout=120) as client:
+            answer = client.post(url + "/v1/completions", json=body)
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["choices"] == client.post(server + "/v1/completions", json=body).json()["choices"]
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=30) == 0
+        with pytest.raises(ProcessLookupError):
+            os.kill(replica["pid"], 0)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
 
 
 def test_routing_takes_the_fewest_in_flight_and_skips_stopped_replicas():

@@ -65,8 +65,9 @@ class ModelFront:
 
 
 def replica_devices(size: int, device: str | None, tensor_parallel_size: int = 1) -> list[str | None]:
-    """Each replica's CUDA_VISIBLE_DEVICES: replica r gets the visible GPUs r*TP .. r*TP+TP-1; None for each on the
-    CPU. A ValueError naming --data-parallel-size and its range when the GPUs are too few."""
+    """Each replica's CUDA_VISIBLE_DEVICES: replica r gets the visible GPUs r*TP .. r*TP+TP-1 (one replica on a
+    named GPU, cuda:i: from the i-th on); None for each on the CPU. A ValueError naming --data-parallel-size and
+    its range when the GPUs are too few."""
     if size < 1:
         raise ValueError(f"--data-parallel-size must be at least 1, got {size}")
     where = resolve_device(device)
@@ -80,6 +81,7 @@ def replica_devices(size: int, device: str | None, tensor_parallel_size: int = 1
     count = torch.cuda.device_count()
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     ids = [i.strip() for i in visible.split(",")][:count] if visible else [str(i) for i in range(count)]
+    ids = ids[where.index or 0:]
     most = len(ids) // tensor_parallel_size
     if size > most:
         within = f"must be between 1 and {most} here" if most >= 1 else "cannot be met"
