@@ -126,19 +126,21 @@ def analyse(path):
     predicted = fit_step_times(data, answers)
     shape_p50 = {shape: percentile([answers[i]["e2e_s"] for i in ids], 0.5) for shape, ids in by_shape.items()}
     print("\nthe slowest requests against their shape's p50: own steps' batch size and time, and the fit's time")
-    print("| request | shape | arrival s | e2e / shape p50 | own steps | mean batch | ms per own step | fit ms |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| request | shape | arrival s | e2e / shape p50 | own steps | mean batch | mean routed rows | ms per own step "
+          "| fit ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
     slowest = sorted(answers, key=lambda i: -answers[i]["e2e_s"] / shape_p50[tuple(answers[i]["shape"])])[:10]
     for i in slowest:
         mine = [k for k, step in enumerate(data["steps"]) if i in step["rows"]]
         batch = statistics.mean(len(data["steps"][k]["rows"]) for k in mine)
+        routed = statistics.mean(data["steps"][k]["shape"][3] for k in mine)
         fit = statistics.mean(predicted[k] for k in mine)
         a = answers[i]
         print(f"| {i} | {a['shape'][1]} {a['shape'][2]} | {a['arrival_s']:.1f} | "
-              f"{a['e2e_s'] / shape_p50[tuple(a['shape'])]:.2f} | {len(mine)} | {batch:.1f} | "
+              f"{a['e2e_s'] / shape_p50[tuple(a['shape'])]:.2f} | {len(mine)} | {batch:.1f} | {routed:.1f} | "
               f"{1e3 * own[i][1] / max(own[i][0], 1):.1f} | {1e3 * fit:.1f} |")
     print("\nthe run in windows of 10 s of steps: measured against fitted step time")
-    print("| window | steps | mean batch | mean step ms | fitted ms |\n|---|---|---|---|---|")
+    print("| window | steps | mean batch | mean routed rows | mean step ms | fitted ms |\n|---|---|---|---|---|---|")
     clock, window = 0.0, []
     for k, step in enumerate(data["steps"]):
         window.append(k)
@@ -146,6 +148,7 @@ def analyse(path):
         if clock >= 10 or k == len(data["steps"]) - 1:
             steps = [data["steps"][j] for j in window]
             print(f"| {window[0]}-{window[-1]} | {len(window)} | {statistics.mean(len(s['rows']) for s in steps):.1f} | "
+                  f"{statistics.mean(s['shape'][3] for s in steps):.1f} | "
                   f"{1e3 * statistics.mean(s['seconds'] for s in steps):.1f} | "
                   f"{1e3 * statistics.mean(predicted[j] for j in window):.1f} |")
             clock, window = 0.0, []
@@ -159,9 +162,9 @@ def analyse(path):
 
 
 def fit_step_times(data, answers):
-    """Least squares of each step's seconds on its rows, their prompts' keys and the prompt rows it computes for
-    the requests it admits (their first pass) and whether its batch changed (rebuilt): how much of a step's time its composition explains. Returns each
-    step's fitted seconds."""
+    """Least squares of each step's seconds on its rows, its routed rows, their prompts' keys, the prompt rows it
+    computes for the requests it admits (their first pass) and whether its batch changed (rebuilt): how much of a
+    step's time its composition explains. Returns each step's fitted seconds."""
     import torch
 
     seen, features, seconds, previous = set(), [], [], None
@@ -170,15 +173,17 @@ def fit_step_times(data, answers):
         new = [i for i in rows if i not in seen]
         seen.update(new)
         prompt = lambda ids: sum(answers[i]["shape"][2] for i in ids) / 1024
-        features.append([1.0, len(rows), prompt(set(rows) - set(new)), prompt(new), float(rows != previous)])
+        features.append([1.0, len(rows), step["shape"][3], prompt(set(rows) - set(new)), prompt(new),
+                         float(rows != previous)])
         seconds.append(step["seconds"])
         previous = rows
     x, y = torch.tensor(features, dtype=torch.float64), torch.tensor(seconds, dtype=torch.float64)[:, None]
     coef = torch.linalg.lstsq(x, y).solution[:, 0]
     residual = (y[:, 0] - x @ coef).abs() / y[:, 0]
-    print(f"\nstep s ~ {1e3 * coef[0]:.1f} ms + {1e3 * coef[1]:.2f} ms/row + {1e3 * coef[2]:.2f} ms per 1k keys of the "
-          f"rows + {1e3 * coef[3]:.1f} ms per 1k prompt tokens admitted + {1e3 * coef[4]:.1f} ms where the batch "
-          f"changed ({int(x[:, 4].sum())} of {len(seconds)} steps); |residual| p50/p99 "
+    print(f"\nstep s ~ {1e3 * coef[0]:.1f} ms + {1e3 * coef[1]:.2f} ms/row + {1e3 * coef[2]:.2f} ms/routed row + "
+          f"{1e3 * coef[3]:.2f} ms per 1k keys of the rows + {1e3 * coef[4]:.1f} ms per 1k prompt tokens admitted + "
+          f"{1e3 * coef[5]:.1f} ms where the batch changed ({int(x[:, 5].sum())} of {len(seconds)} steps); "
+          f"|residual| p50/p99 "
           f"{percentile(residual.tolist(), 0.5):.2f}/{percentile(residual.tolist(), 0.99):.2f} of the step")
     return (x @ coef).tolist()
 
