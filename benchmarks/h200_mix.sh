@@ -25,6 +25,9 @@
 #                 when offered more) for ARRIVE_S seconds of arrivals, the load sampled from /metrics;
 #                 ARRIVALS=even: the same requests evenly spaced (the spread of equal requests' latency that is left
 #                 is the engine's)
+#   PART=front    PART=steady's mix (RATE 1.4, ARRIVALS even, ARRIVE_S 150) served twice: the engine loop in the
+#                 HTTP front's process, then in a process of its own (`serve --engine-process`): what the front's
+#                 Python work costs the engine's steps
 #   SERVE_ARGS    more `serve` flags for every part that serves (e.g. "--methods flash-cache": no room for hidden
 #                 states in the KV cache, about 1.5x its rows)
 #   PART=trace    PART=steady's mix offline (benchmarks/mix_trace.py): every step's time, rows and query rows, every
@@ -108,6 +111,11 @@ PY
   REQUESTS=$(python -c "print(max(1, int($RATE * ${ARRIVE_S:-420})))") MIX_S=$((${ARRIVE_S:-420} + 60))
   MIX="--rate $RATE --requests $REQUESTS --mix-arrivals ${ARRIVALS:-poisson} $SINGLE"
   serve_and_mix steady ;;
+front)
+  MIX="--rate ${RATE:-1.4} --requests $(python -c "print(int(${RATE:-1.4} * ${ARRIVE_S:-150}))") --mix-arrivals ${ARRIVALS:-even} $SINGLE"
+  MIX_S=$((${ARRIVE_S:-150} + 60)) serve_and_mix front_in_process
+  SERVE_ARGS="${SERVE_ARGS:-} --engine-process" MIX_S=$((${ARRIVE_S:-150} + 60)) serve_and_mix front_engine_process
+  grep -h -A 4 "^| requests" "$OUT"/front_*_mix.txt ;;
 trace)
   TAIL=3 step trace "${TRACE_S:-480}" python benchmarks/mix_trace.py --rate "${RATE:-1.4}" \
       --requests "${TRACE_REQUESTS:-150}" --arrivals ${ARRIVALS:-even poisson} --out "$OUT/trace_{arrivals}.json"
