@@ -45,7 +45,7 @@ def test_serve_command_answers_and_stops_on_sigint():
                                  "--threshold", "0.8")
     try:
         models = httpx.get(url + "/v1/models").json()["data"]
-        assert models[0]["id"] == "default"
+        assert models[0]["id"] == "default" and models[0]["vocab_size"] > 0 and models[0]["max_model_len"] > 0
         body = httpx.post(url + "/v1/chat/completions", timeout=60,
                           json={"messages": [{"role": "user", "content": "What is 3 + 4?"}]}).json()
         assert body["usage"]["completion_tokens"] <= 32 and body["choices"][0]["message"]["content"]

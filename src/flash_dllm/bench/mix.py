@@ -366,8 +366,9 @@ async def run_online(config: MixServeConfig) -> MixResult:
     from .serve import server_client
 
     spec = config.spec
-    requests = mix_requests(spec)
     async with server_client(config.url, config.api_key, spec.num_requests + 2, 3600) as client:
+        model = (await client.get("/v1/models")).json()["data"][0]
+        requests = mix_requests(spec, model.get("vocab_size"))  # prompt ids within the served vocabulary
         before = metric_sums((await client.get("/metrics")).text)
         longest: list[tuple[float, float]] = []
         load: list[LoadSample] = []

@@ -378,7 +378,8 @@ def build_app(llm: LLM, config: ServeConfig, start_up: Callable[[], None] | None
     @api.get("/models")
     async def models():
         return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
-                                            "owned_by": "flash-dllm", "max_model_len": llm.config.max_position}]}
+                                            "owned_by": "flash-dllm", "max_model_len": llm.config.max_position,
+                                            "vocab_size": llm.config.vocab_size}]}
 
     app.include_router(api)
 
