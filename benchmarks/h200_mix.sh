@@ -27,7 +27,7 @@
 #                 is the engine's)
 #   PART=front    PART=steady's mix (RATE 1.4, ARRIVALS even, ARRIVE_S 150) served twice: the engine loop in the
 #                 HTTP front's process, then in a process of its own (`serve --engine-process`): what the front's
-#                 Python work costs the engine's steps
+#                 Python work costs the engine's steps (FRONT_MODES="engine_process in_process": the other order)
 #   SERVE_ARGS    more `serve` flags for every part that serves (e.g. "--methods flash-cache": no room for hidden
 #                 states in the KV cache, about 1.5x its rows)
 #   PART=trace    PART=steady's mix offline (benchmarks/mix_trace.py): every step's time, rows and query rows, every
@@ -113,9 +113,13 @@ PY
   serve_and_mix steady ;;
 front)
   MIX="--rate ${RATE:-1.4} --requests $(python -c "print(int(${RATE:-1.4} * ${ARRIVE_S:-150}))") --mix-arrivals ${ARRIVALS:-even} $SINGLE"
-  MIX_S=$((${ARRIVE_S:-150} + 60)) serve_and_mix front_in_process
-  SERVE_ARGS="${SERVE_ARGS:-} --engine-process" MIX_S=$((${ARRIVE_S:-150} + 60)) serve_and_mix front_engine_process
-  grep -h -A 4 "^| requests" "$OUT"/front_*_mix.txt ;;
+  for mode in ${FRONT_MODES:-in_process engine_process}; do
+    [ "$mode" = engine_process ] && engine=--engine-process || engine=
+    SERVE_ARGS="${SERVE_ARGS:-} $engine" MIX_S=$((${ARRIVE_S:-150} + 60)) serve_and_mix "front_$mode"
+  done
+  for mode in ${FRONT_MODES:-in_process engine_process}; do
+    echo "## $mode"; grep "^|" "$OUT/front_${mode}_mix.txt" | grep -v "^|---"
+  done ;;
 trace)
   TAIL=3 step trace "${TRACE_S:-480}" python benchmarks/mix_trace.py --rate "${RATE:-1.4}" \
       --requests "${TRACE_REQUESTS:-150}" --arrivals ${ARRIVALS:-even poisson} --out "$OUT/trace_{arrivals}.json"
