@@ -319,7 +319,10 @@ class MixServeConfig:
     spec: MixSpec = MixSpec()
     fields: dict = field(default_factory=dict)  # extra request fields for every request (knobs, temperature)
     api_key: str | None = None
-    metrics_every_s: float = 5.0  # /metrics (the longest step of the last minute, the requests running) this often
+    # /metrics (the longest step of the last minute, the requests running) this often on average, each wait drawn
+    # from 0.5-1.5x of it: fixed waits alias with even arrivals (every 5 s is every 7th arrival at 1.4/s, so each
+    # sample caught a request that had just arrived, waiting)
+    metrics_every_s: float = 5.0
 
 
 def metric_sums(text: str) -> dict[str, float]:
@@ -374,8 +377,9 @@ async def run_online(config: MixServeConfig) -> MixResult:
         load: list[LoadSample] = []
 
         async def sample_steps():
+            jitter = random.Random(spec.seed)
             while True:
-                await asyncio.sleep(config.metrics_every_s)
+                await asyncio.sleep(config.metrics_every_s * jitter.uniform(0.5, 1.5))
                 text = (await client.get("/metrics")).text
                 longest.append((metric_max(text, "flash_dllm_step_seconds_max"),
                                 metric_max(text, "flash_dllm_step_seconds_max_ratio")))
