@@ -21,3 +21,4 @@ for method in ("elastic", "flash-cache", "dual-cache", "prefix-cache", "flash-ve
 PY
 step bench_generate_b1 240 python -m flash_dllm.cli bench generate --batch-sizes 1 \
     --methods prefix-cache dual-cache elastic flash-cache flash-verify
+pack_out h200_check

@@ -28,3 +28,4 @@ if [ -n "${BASE:-}" ]; then
   PYTHONPATH=$PWD/src step tokens_after 80 python benchmarks/record_tokens.py --device cuda --items 20 \
       --variants $variants --out /tmp/tokens_after.json --compare /tmp/tokens_base.json
 fi
+pack_out h200_first_hour

@@ -43,3 +43,4 @@ gates)
   TAIL=70 step tasks 330 python benchmarks/fp8_accuracy.py tasks --items 200
   TAIL=12 step logits 100 python benchmarks/fp8_accuracy.py logits ;;
 esac
+pack_out h200_fp8

@@ -22,3 +22,4 @@ for mode in "" --batch-invariant; do
 done
 step tokens_8b 240 python benchmarks/batch_invariance_gpu.py --methods parallel dual-cache flash-cache flash-verify
 step tasks 120 python benchmarks/batch_invariance_tasks.py --device cuda --items 20
+pack_out h200_invariant_check

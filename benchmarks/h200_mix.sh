@@ -136,3 +136,4 @@ after)
   serve_and_mix after
   MIX_RUN=0 serve_and_mix warm_restart ;;
 esac
+pack_out "mix_${PART:-offline}"

@@ -37,3 +37,4 @@ dp)
     kill -INT $pid; wait $pid
   done ;;
 esac
+pack_out h200_multi_gpu

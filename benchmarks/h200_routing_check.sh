@@ -38,3 +38,4 @@ bench step "$PWD" "${lengths[*]}" dense chunk ${POLICIES:-}
 [ -n "${BASE:-}" ] && bench base_step "$BASE" "${BASE_LENGTHS:-${lengths[*]}}" chunk
 [ "${PROFILE:-1}" = 1 ] && step profile 150 env PYTHONPATH=$PWD/src python benchmarks/profile_step.py --model random:/tmp/long \
     --prompt-length 8192 --max-tokens 64 --cuda-graphs on --steps 6 --cases dual-cache:1:chunk flash-cache:1:chunk ${PROFILE_CASES:-}
+pack_out h200_routing_check

@@ -46,3 +46,4 @@ if [[ $PART == *anatomy* ]]; then
         ${runs[$i]}
   done
 fi
+pack_out h200_speed_check

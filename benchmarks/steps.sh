@@ -5,3 +5,9 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAM
   ${FILTER:-cat} < "$OUT/$name.txt" | tail -n "${TAIL:-4}"
   return $rc
 }
+pack_out() {  # pack_out NAME: the device returns at most 8 files: past that, $OUT's files (but earlier packs) go into $OUT/NAME.tgz
+  local files; files=$(find "$OUT" -type f | wc -l)
+  [ "$files" -le 8 ] && return
+  (cd "$OUT" && find . -type f ! -name '*.tgz' -print0 | tar czf "/tmp/$1.tgz" --null -T - --remove-files && mv "/tmp/$1.tgz" .)
+  echo "## $OUT: $files files packed into $1.tgz"
+}
