@@ -44,24 +44,20 @@ def trace_mix(llm, spec, out):
     engine, trace = llm.engine, []
     requests = mix_requests(spec, llm.config.vocab_size)  # in arrival order: the order run_offline adds them
     index_of, add_request, step = {}, engine.add_request, engine.step
+    arriving = iter(requests)  # each add_request call is the next request's, also one that fails
 
     def traced_add_request(*args, **kwargs):
-        request = requests[len(index_of) + len(failed)]
-        try:
-            seq = add_request(*args, **kwargs)
-        except ValueError:
-            failed.append(request.index)
-            raise
-        index_of[seq] = request.index
+        index = next(arriving).index
+        seq = add_request(*args, **kwargs)
+        index_of[seq] = index
         return seq
-    failed = []
-    collections = []  # (generation, seconds) of every collection
+    collections, started = [], [0.0]  # (generation, seconds) of every collection; when the current one started
 
-    def on_collection(phase, info, start=[0.0]):
+    def on_collection(phase, info):
         if phase == "start":
-            start[0] = time.perf_counter()
+            started[0] = time.perf_counter()
         else:
-            collections.append((info["generation"], time.perf_counter() - start[0]))
+            collections.append((info["generation"], time.perf_counter() - started[0]))
     gc.callbacks.append(on_collection)
 
     def allocator() -> dict[str, int]:

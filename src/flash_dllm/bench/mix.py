@@ -172,10 +172,7 @@ class MixResult:
     def minute_rows(self) -> list[tuple]:
         """Per minute of arrival: the requests that arrived in it, and their end-to-end latency over the p50 of
         their shape's (shapes with at least two answers): p50, p90, the largest, and how many exceed 1.3x."""
-        by_shape: dict[tuple, list[float]] = {}
-        for a in self.ok:
-            by_shape.setdefault(a.request.shape, []).append(a.e2e_s)
-        p50 = {shape: percentile(v, 0.5) for shape, v in by_shape.items() if len(v) >= 2}
+        p50 = {shape: percentile(v, 0.5) for shape, v in e2e_by_shape(self.ok).items() if len(v) >= 2}
         minutes: dict[int, list[float]] = {}
         for a in self.ok:
             if p50.get(a.request.shape, 0) > 0:
@@ -195,12 +192,17 @@ STEP_HEADER = ("method", "batch size", "query rows (to a power of 2)", "routed r
                "longest / median")
 
 
-def worst_shape_ratio(answers: list[MixAnswer]) -> float:
-    """The largest p99/p50 of end-to-end latency over the shapes with at least two answers (1.0 for none)."""
+def e2e_by_shape(answers: list[MixAnswer]) -> dict[tuple, list[float]]:
+    """The answers' end-to-end latencies, per request shape."""
     by_shape: dict[tuple, list[float]] = {}
     for a in answers:
         by_shape.setdefault(a.request.shape, []).append(a.e2e_s)
-    ratios = [percentile(v, 0.99) / percentile(v, 0.5) for v in by_shape.values()
+    return by_shape
+
+
+def worst_shape_ratio(answers: list[MixAnswer]) -> float:
+    """The largest p99/p50 of end-to-end latency over the shapes with at least two answers (1.0 for none)."""
+    ratios = [percentile(v, 0.99) / percentile(v, 0.5) for v in e2e_by_shape(answers).values()
               if len(v) >= 2 and percentile(v, 0.5) > 0]
     return max(ratios, default=1.0)
 
