@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 
-from flash_dllm.bench.mix import MixSpec, mix_requests
+from flash_dllm.bench.mix import MixAnswer, MixSpec, mix_requests, worst_shape_ratio
 from flash_dllm.cache import CacheAllocator
 from flash_dllm.engine.counters import percentile
 from flash_dllm.markdown import markdown_table
@@ -68,14 +68,6 @@ def replay(requests, t0: float, per_row: float, per_prompt_token: float, steps: 
     return [e2e[request.index] for request in requests], batches, [waits[request.index] for request in requests]
 
 
-def worst_shape_ratio(requests, e2e) -> float:
-    """`bench mix`'s statistic: the largest p99/p50 of end-to-end latency over the mix's shapes."""
-    by_shape: dict[tuple, list[float]] = {}
-    for request, seconds in zip(requests, e2e):
-        by_shape.setdefault(request.shape, []).append(seconds)
-    return max(percentile(v, 0.99) / percentile(v, 0.5) for v in by_shape.values() if len(v) >= 2)
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--t0-ms", type=float, required=True, help="a step's time at no rows (launches, weights)")
@@ -104,7 +96,7 @@ def main():
             rows.append((f"{rate:g}", arrivals, "/".join(f"{percentile(batches, q):.0f}" for q in (0.1, 0.5, 0.9)),
                          "/".join(f"{percentile(waits, q):.2f}" for q in (0.5, 0.9, 0.99)),
                          f"{percentile(e2e, 0.5):.2f}", f"{percentile(e2e, 0.99) / percentile(e2e, 0.5):.2f}",
-                         f"{worst_shape_ratio(requests, e2e):.2f}"))
+                         f"{worst_shape_ratio([MixAnswer(r, True, e2e_s=s) for r, s in zip(requests, e2e)]):.2f}"))
     print(markdown_table(("requests/s", "arrivals", "running p10/p50/p90", "wait p50/p90/p99 s", "e2e p50 s", "e2e p99/p50",
                           "worst shape p99/p50"), rows))
 
