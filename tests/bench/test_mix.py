@@ -8,7 +8,7 @@ import pytest
 
 from flash_dllm import LLM
 from flash_dllm.bench.mix import (LoadSample, MixAnswer, MixResult, MixSpec, format_report, metric_sums,
-                                  mix_requests, run_offline, save_answers, worst_shape_ratio)
+                                  load_answers, mix_requests, run_offline, save_answers, worst_shape_ratio)
 from flash_dllm.engine.counters import StepShape
 from flash_dllm.engine.warmup import before_ready
 
@@ -68,6 +68,10 @@ def test_report_by_minute_of_arrival(tmp_path):
     saved = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
     assert [(s["index"], s["arrival_s"], s["e2e_s"], s["prompt_length"], s["routing"]) for s in saved[:3]] == [
         (0, 30.0, 1.0, 64, "dense"), (1, 60.0, 1.0, 64, "dense"), (2, 90.0, 2.0, 64, "dense")]
+    loaded = load_answers(tmp_path / "requests.jsonl")  # what mix_queue_model.py --fit reads back
+    assert [(a.request.shape, a.request.arrival_s, a.e2e_s) for a in loaded] == [
+        (a.request.shape, a.request.arrival_s, a.e2e_s) for a in answers]
+    assert worst_shape_ratio(loaded) == worst_shape_ratio(answers)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the kernels, interpreted on the CPU")

@@ -235,6 +235,18 @@ def save_answers(result: MixResult, path: str):
                                   "e2e_s": round(a.e2e_s, 4), "tokens": a.tokens, "error": a.error}) + "\n")
 
 
+def load_answers(path: str) -> list[MixAnswer]:
+    """What `save_answers` wrote, as answers to stand-in requests (the prompt's length kept, not its ids)."""
+    answers = []
+    with open(path) as lines:
+        for line in lines:
+            r = json.loads(line)
+            request = MixRequest(r["index"], r["arrival_s"], [0] * r["prompt_length"], r["max_tokens"], r["method"],
+                                 None if r["routing"] == DENSE else r["routing"])
+            answers.append(MixAnswer(request, r["ok"], r["ttft_s"], r["e2e_s"], r["tokens"], r["error"]))
+    return answers
+
+
 # Offline: the engine's loop with arrivals (LLM.generate takes its prompts at once; this is its loop, adding each
 # request at its arrival time).
 
