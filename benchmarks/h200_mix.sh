@@ -34,6 +34,9 @@
 #                 request's latency, then the breakdown (a fit of step time on the batch's make-up, the slowest
 #                 requests, the worst step per minute); ARRIVALS default "even poisson" (one trace each, one model), RATE
 #                 default 1.4, TRACE_REQUESTS 150
+#   PART=graph_sizes  the steady passes captured before ready for batch sizes 2-4 too (`serve --graph-batch-sizes`):
+#                 a dense one-key mix of a few requests at a time (RATE default 0.8, REQUESTS 16) before and after
+#                 (benchmarks/graph_batch_sizes.py): each batch size's median steady step, the captures' cost
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}  # carried wheels (serve) stay on the path
@@ -127,6 +130,9 @@ trace)
     python benchmarks/mix_trace.py --analyse "$OUT/trace_$arrivals.json" > "$OUT/analysis_$arrivals.txt"
   done
   tail -n 40 "$OUT"/analysis_*.txt ;;
+graph_sizes)
+  TAIL=16 step graph_batch_sizes "${GRAPH_S:-300}" python benchmarks/graph_batch_sizes.py --rate "${RATE:-0.8}" \
+      --requests "${REQUESTS:-16}" ;;
 before_after)
   serve_before
   serve_and_mix after ;;

@@ -46,6 +46,12 @@ def test_counts_out_of_range_are_usage_errors(argv, capsys):
     assert "error: argument --" in err and err.endswith("--help)")
 
 
+def test_graph_batch_sizes_beyond_the_batch_are_an_error(capsys):
+    assert main(["serve", "--max-batch", "4", "--graph-batch-sizes", "1", "8", "--port", "0"]) == 2
+    one_line(capsys.readouterr().err, "flash-dllm: error: --graph-batch-sizes 8 is more than --max-batch 4: no batch "
+                                      "would replay it")
+
+
 # 2. `flash-dllm eval --task arith --limit 0`, `--limit -3`
 
 @pytest.mark.parametrize("limit", ["0", "-3"])

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from .decoding.registry import DEFAULT_METHOD, METHODS, method_of
+from .engine.warmup import STEADY_BATCH_SIZES
 from .cache.routing import POLICIES
 from .models.quantization import KV_CACHE_DTYPES, QUANTIZATIONS, kv_dtype_of
 from .sampling_params import DEFAULT_KV_BUDGET, SamplingParams, knobs
@@ -529,8 +530,12 @@ def cmd_serve(args):
 
     params = sampling_params_from_args(args)  # the server's defaults, checked before the model loads
     given = {name: getattr(args, name) for name in knobs() if getattr(args, name) is not None}
+    if max(args.graph_batch_sizes) > args.max_batch:
+        raise ValueError(f"--graph-batch-sizes {max(args.graph_batch_sizes)} is more than --max-batch "
+                         f"{args.max_batch}: no batch would replay it")
     config = ServeConfig(model_name=args.served_model_name or Path(args.model or "default").name,
-                         defaults=ServerDefaults(params, given, tuple(args.methods) if args.methods else None),
+                         defaults=ServerDefaults(params, given, tuple(args.methods) if args.methods else None,
+                                                 graph_batch_sizes=tuple(sorted(set(args.graph_batch_sizes)))),
                          max_queue=args.max_queue,
                          api_key=args.api_key)
     replicas = args.data_parallel_size
@@ -584,7 +589,8 @@ def cmd_bench_mix(args):
     spec = mix_spec_from_args(args)
     llm = llm_from_args(args, max_batch_size=args.max_batch)
     start = time.perf_counter()
-    phases = warm_up(llm, spec, requests=not args.no_warm_up_requests, capture_after_ready=args.capture_after_ready)
+    phases = warm_up(llm, spec, requests=not args.no_warm_up_requests, capture_after_ready=args.capture_after_ready,
+                     graph_batch_sizes=tuple(sorted(set(args.graph_batch_sizes))))
     device_name = torch.cuda.get_device_name(llm.device) if llm.device.type == "cuda" else "cpu"
     print(f"# bench mix: {args.model} on {device_name}, {llm.dtype}, max batch {args.max_batch}; "
           f"{describe_mix(spec)}; warm-up {time.perf_counter() - start:.1f} s"
@@ -730,6 +736,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the methods the server runs (default: every one); a request for another gets a 400. The "
                           "start-up warms only these, and without elastic the KV cache keeps no room for per-layer "
                           "hidden states: about 1.5x the rows for LLaDA-8B in the same memory")
+    srv.add_argument("--graph-batch-sizes", type=at_least(1), nargs="+", default=list(STEADY_BATCH_SIZES),
+                     help="batch sizes whose steady passes (Flash-Cache, dual-cache) the start-up captures as CUDA "
+                          "graphs, for every width of the keys: a batch of another size runs them eagerly. Each "
+                          "size adds about 20 graphs a method to the start-up")
     add_sampling_args(srv)  # the defaults of the fields a request leaves out
     srv.set_defaults(func=cmd_serve)
 
@@ -818,6 +828,8 @@ def build_parser() -> argparse.ArgumentParser:
     bmix.add_argument("--capture-after-ready", action="store_true",
                       help="capture CUDA graphs during the mix too, as before issue 40 (serve captures none after "
                            "ready)")
+    bmix.add_argument("--graph-batch-sizes", type=at_least(1), nargs="+", default=list(STEADY_BATCH_SIZES),
+                      help="as serve's: batch sizes whose steady passes the warm-up captures")
     add_mix_args(bmix)
     bmix.set_defaults(func=cmd_bench_mix)
     return parser

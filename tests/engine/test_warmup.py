@@ -100,6 +100,26 @@ def test_a_requests_steady_passes_find_a_graph_captured_before_ready(method, pre
         graphs.keys = set()
 
 
+@pytest.mark.parametrize("method", ["flash-cache", "dual-cache"])
+def test_graph_batch_sizes_capture_the_steady_passes_of_batches_of_that_size(method):
+    """`serve --graph-batch-sizes 1 2`: a batch of two requests of lengths the warm-up never ran finds its steady
+    passes captured before ready (only its whole-sequence passes are not); with batch size 1 alone it finds none."""
+    llm = LLM("random:llada-tiny", device="cpu", dtype="float32", kernels=False, kv_cache_bytes=1 << 22)
+    runner = llm.runner
+    runner.allocate_cache(with_hidden=False)
+    params = SamplingParams(method=method, max_tokens=24, block_length=8)
+    prompts = [[5 + i % 50 for i in range(n)] for n in (150, 333)]
+    whole = {150 + 24, 333 + 24, 150 + 333 + 48}  # the first passes and refreshes, alone or together
+    for batch_sizes, found in (((1,), False), ((1, 2), True)):
+        runner.graphs = graphs = RecordedGraphs(runner)
+        capture_steady_passes(llm, (method,), block_length=8, batch_sizes=batch_sizes)
+        captured, graphs.keys = graphs.keys, set()
+        llm.generate(prompts, params, use_tqdm=False)
+        passes = {key for key in graphs.keys if not isinstance(key[0], str)}  # not the whole steps'
+        steady = {key for key in passes if key[0] not in whole}
+        assert steady and (steady <= captured) == found, batch_sizes
+
+
 def test_the_warm_up_requests_run_every_method_and_kind_of_routing_alone_and_batched():
     """Each method dense, each cached one also chunk- and k-means-routed (the other policies launch the chunk
     policy's variants); the shortest prompt alone, then it and the longest the model holds (an uncached method:

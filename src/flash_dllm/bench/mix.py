@@ -302,20 +302,22 @@ def run_offline(llm, spec: MixSpec, requests: list[MixRequest] | None = None) ->
                      tally("collections"), steps, after_ready=mark.after_by_name(), load=load)
 
 
-def warm_up(llm, spec: MixSpec, requests: bool = True, capture_after_ready: bool = False) -> StartUpPhases | None:
+def warm_up(llm, spec: MixSpec, requests: bool = True, capture_after_ready: bool = False,
+            graph_batch_sizes: tuple[int, ...] | None = None) -> StartUpPhases | None:
     """What `serve` does before ready (engine/warmup.py's `before_ready` with its defaults: every method and the
     warm-up's own requests, none of the mix's shapes; the mix's block length), then no CUDA-graph captures;
     returns its phases' times; and what the start-up left is frozen out of later garbage collections
     (`freeze_heap`). requests=False: as before issue 40, the KV cache only (and with it, on CUDA,
     compile_kernels' dense passes), nothing frozen: None.
     capture_after_ready: graphs are still captured lazily during the mix (as before issue 40: the throughput
-    that stopping the captures costs)."""
+    that stopping the captures costs). graph_batch_sizes: `serve --graph-batch-sizes` (None: its default)."""
     from ..engine.warmup import before_ready, freeze_heap
 
     runner = llm.runner
     phases = None
     if requests:
-        phases = before_ready(llm, block_length=spec.block_length)
+        phases = before_ready(llm, block_length=spec.block_length,
+                              **({} if graph_batch_sizes is None else {"graph_batch_sizes": graph_batch_sizes}))
     else:
         runner.allocate_cache(with_hidden=True)
     if runner.graphs is not None and not capture_after_ready:

@@ -308,7 +308,8 @@ def warm_up_requests(llm, methods: tuple[str, ...] | None = None,
 # later batch: engine/cuda_graphs.py), but a pass replays any graph of its shape. The steady passes of the methods
 # that declare one (`DecodingMethod.steady_pass`: Flash-Cache's budget, dual-cache's block) are captured before
 # ready for these batch sizes and every bucket of the keys' width (model_runner.prepare); a batch's other passes
-# (first passes, refreshes, other batch sizes or settings) run eagerly.
+# (first passes, refreshes, other batch sizes or settings) run eagerly. More batch sizes (`serve
+# --graph-batch-sizes`) cost start-up: one graph per batch size, method and bucket (~20 a method, ~50 ms each).
 STEADY_BATCH_SIZES = (1,)
 
 
@@ -387,15 +388,15 @@ class StartUpPhases:
 def before_ready(llm, methods: tuple[str, ...] | None = None, routings: tuple[str | None, ...] = WARM_UP_ROUTINGS,
                  prompt_lengths: tuple[int, ...] = WARM_UP_PROMPT_LENGTHS,
                  max_tokens: tuple[int, ...] = WARM_UP_MAX_TOKENS, block_length: int = 32,
-                 row_counts: tuple[int, ...] = ROW_COUNTS, request_counts: tuple[int, ...] = REQUEST_COUNTS
-                 ) -> StartUpPhases:
+                 row_counts: tuple[int, ...] = ROW_COUNTS, request_counts: tuple[int, ...] = REQUEST_COUNTS,
+                 graph_batch_sizes: tuple[int, ...] = STEADY_BATCH_SIZES) -> StartUpPhases:
     """What a server runs before it reports ready (and `bench mix` before its mix): the KV cache, with room for
     the per-layer hidden states where one of `methods` (default: every one) keeps them (Elastic-Cache; allocated
     later, beyond the budget, they could run the device out of memory while serving); on the kernel path,
     compile_kernels' passes, routed too (`row_counts`, `request_counts`), and the warm-up requests of `methods`
     (`warm_up_requests`' arguments). The caller then runs what else it wants warm and stops the CUDA graphs'
     captures (CudaGraphs.stop_capturing). With CUDA graphs, the steady passes' graphs are captured last
-    (`capture_steady_passes`). Returns the phases' times."""
+    (`capture_steady_passes`, for `graph_batch_sizes` requests). Returns the phases' times."""
     from ..decoding.registry import METHODS, method_of
 
     runner, phases = llm.runner, StartUpPhases()
@@ -415,7 +416,7 @@ def before_ready(llm, methods: tuple[str, ...] | None = None, routings: tuple[st
         phases.kernels_s = lap()
         phases.requests = warm_up_requests(llm, methods, routings, prompt_lengths, max_tokens, block_length)
         phases.requests_s = lap()
-        phases.pass_graphs = capture_steady_passes(llm, served, block_length)
+        phases.pass_graphs = capture_steady_passes(llm, served, block_length, graph_batch_sizes)
         phases.passes_s = lap()
     return phases
 

@@ -475,7 +475,8 @@ def start_up(llm: LLM, defaults: ServerDefaults):
     full garbage collection does not traverse what the start-up left (`freeze_heap`)."""
     from ..engine.warmup import before_ready, freeze_heap
 
-    phases = before_ready(llm, methods=defaults.methods, block_length=defaults.params.block_length)
+    phases = before_ready(llm, methods=defaults.methods, block_length=defaults.params.block_length,
+                          graph_batch_sizes=defaults.graph_batch_sizes)
     print(f"flash-dllm: start-up: {phases}", file=sys.stderr, flush=True)
     probe = llm.encode("Hello") if llm.tokenizer is not None else [1, 2, 3, 4]
     llm.generate([probe], defaults.params, use_tqdm=False)

@@ -14,6 +14,7 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict
 
 from ..decoding.registry import METHODS, method_of
+from ..engine.warmup import STEADY_BATCH_SIZES
 from ..sampling_params import SamplingParams, knobs
 
 
@@ -131,8 +132,12 @@ class ServerDefaults:
     # the methods the server runs (`serve --methods`; None: every one): the start-up warms only these, and the KV
     # cache keeps room for per-layer hidden states only where one of them needs it (Elastic-Cache)
     methods: tuple[str, ...] | None = None
+    # the batch sizes whose steady passes the start-up captures as CUDA graphs (`serve --graph-batch-sizes`)
+    graph_batch_sizes: tuple[int, ...] = STEADY_BATCH_SIZES
 
     def __post_init__(self):
+        if not self.graph_batch_sizes or min(self.graph_batch_sizes) < 1:
+            raise ValueError(f"graph_batch_sizes must be batch sizes >= 1, got {list(self.graph_batch_sizes)}")
         if self.methods is not None and self.params.method not in self.methods:
             raise ValueError(f"the default method {self.params.method!r} is not among the served methods "
                              f"({', '.join(self.methods)}): add it to --methods or pick one of them with --method")
