@@ -46,7 +46,7 @@ def test_report_per_method_and_shape():
     report = format_report(MixResult(answers, wall_s=4.0, steps=steps, load=load))
     # the worst steady step: 3x its shape's median, not the prefill (after no compile, capture or full collection);
     # the load: 1-2 requests running, a queue in one sample of ten, a quarter of the KV cache held
-    assert "| 0 | 0.00 | 0 | 0.00 | 0 | 0.00 | 3.00 | 1/2/2 | 0/0/0 | 0.10/0.25/0.25 |" in report
+    assert "| 0 | 0.00 | 0 | 0.00 | 0 | 0.00 | 3.00 (3 steps) | 1/2/2 | 0/0/0 | 0.10/0.25/0.25 |" in report
     assert "| flash-cache | 2 | 1024 | 0 | 1 | 500.0 | 1.00 |" in report
     assert "| flash-cache | 2 | 32 | 0 | 3 | 10.0 | 3.00 |" in report
     assert "minute of arrival" not in report  # one minute: no table by minute

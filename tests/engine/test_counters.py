@@ -113,15 +113,15 @@ def test_a_step_is_measured_against_the_median_of_its_shape():
     for seconds, shape in [(0.010, small), (0.012, small), (0.011, small), (0.050, large), (0.040, large),
                            (0.045, large), (0.030, other), (0.030, other)]:
         log.record(seconds, shape, now=100.0)
-    assert log.longest(now=100.0) == (0.050, pytest.approx(0.050 / 0.045))  # elastic's steps are not flash-cache's
+    assert log.longest(now=100.0) == (0.050, pytest.approx(0.050 / 0.045), 3)  # elastic's are not flash-cache's
     log.record(0.033, small, now=100.0)  # 3x the median of its shape, though shorter than batch 32's steps
-    assert log.longest(now=100.0) == (0.050, pytest.approx(0.033 / 0.0115))
+    assert log.longest(now=100.0) == (0.050, pytest.approx(0.033 / 0.0115), 4)
     prefill = StepShape("flash-cache", 8, 8192)
     for seconds in (0.500, 0.450):  # prefills: the longest steps, against prefills' median
         log.record(seconds, prefill, now=100.0)
-    assert log.longest(now=100.0) == (0.500, pytest.approx(0.033 / 0.0115))
+    assert log.longest(now=100.0) == (0.500, pytest.approx(0.033 / 0.0115), 4)
     assert step_ratios([(s, shape) for _, s, shape in log.steps])[small] == (4, 0.0115, pytest.approx(0.033 / 0.0115))
-    assert log.longest(now=200.0) == (0.0, 0.0)  # a minute later: none
+    assert log.longest(now=200.0) == (0.0, 0.0, 0)  # a minute later: none
 
 
 @interpreted

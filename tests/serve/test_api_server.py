@@ -229,12 +229,13 @@ def test_metrics(client):
                  "kernel_compiles_after_ready_total", "kernel_compile_seconds_after_ready_total",
                  "graph_captures_after_ready_total", "graph_capture_seconds_after_ready_total",
                  "gc_collections_after_ready_total", "gc_collection_seconds_after_ready_total", "step_seconds_max",
-                 "step_seconds_max_ratio"):
+                 "step_seconds_max_ratio", "step_seconds_max_ratio_steps"):
         assert f"# TYPE flash_dllm_{name} " in text
     # the CPU's PyTorch path compiles and captures nothing; its steps were timed
     assert metric(client, "flash_dllm_graph_captures_after_ready_total") == 0
     assert metric(client, "flash_dllm_kv_cache_compactions_total") == 0  # one request: no holes
     assert metric(client, "flash_dllm_step_seconds_max") > 0 and metric(client, "flash_dllm_step_seconds_max_ratio") >= 1
+    assert metric(client, "flash_dllm_step_seconds_max_ratio_steps") >= 1
     rows = next(line for line in text.splitlines() if line.startswith("flash_dllm_kv_cache_rows "))
     assert float(rows.split()[1]) > 0
 
@@ -437,6 +438,7 @@ def test_bench_serve_mix_reads_ttft_and_the_counters(server):
     assert result.load and all(0 <= sample.running <= 3 and 0 <= sample.waiting <= 3 and 0 <= sample.kv_cache_use < 1
                                for sample in result.load)
     assert result.compiles == (0, 0.0) and result.captures == (0, 0.0) and result.longest_step[0] > 0
+    assert result.longest_step[1] >= 1 and result.longest_step[2] >= 1  # the ratio, and the steps behind it
 
 
 def test_the_start_up_freezes_what_it_leaves_out_of_later_collections():

@@ -133,7 +133,8 @@ class MixResult:
     captures: tuple[int, float] = (0, 0.0)
     collections: tuple[int, float] = (0, 0.0)
     steps: list[tuple[float, StepShape]] = field(default_factory=list)  # offline: each step's seconds and shape
-    longest_step: tuple[float, float] = (0.0, 0.0)  # (seconds, the worst step over its shape's median)
+    # (seconds, the worst step over its shape's median, the steps of that shape in its window)
+    longest_step: tuple[float, float, int] = (0.0, 0.0, 0)
     # offline: the compiles, captures and collections after ready per (kind, kernel, graph key or "full")
     after_ready: dict = field(default_factory=dict)
     load: list[LoadSample] = field(default_factory=list)
@@ -158,11 +159,12 @@ class MixResult:
 
     def summary_row(self) -> tuple:
         tokens = sum(a.tokens for a in self.ok)
-        worst = max((ratio for _, _, ratio in step_ratios(self.steps).values()), default=self.longest_step[1])
+        count, _, worst = max(step_ratios(self.steps).values(), key=lambda shape: shape[2],
+                              default=(self.longest_step[2], 0.0, self.longest_step[1]))
         return (len(self.answers), len(self.answers) - len(self.ok), f"{self.wall_s:.1f}",
                 f"{len(self.ok) / self.wall_s:.2f}", f"{tokens / self.wall_s:.1f}", self.compiles[0],
                 f"{self.compiles[1]:.2f}", self.captures[0], f"{self.captures[1]:.2f}", self.collections[0],
-                f"{self.collections[1]:.2f}", f"{worst:.2f}", self.load_percentiles("running"),
+                f"{self.collections[1]:.2f}", f"{worst:.2f} ({count} steps)", self.load_percentiles("running"),
                 self.load_percentiles("waiting"), self.load_percentiles("kv_cache_use", "{:.2f}"))
 
     def load_percentiles(self, name: str, form: str = "{:.0f}") -> str:
@@ -358,6 +360,16 @@ def metric_max(text: str, name: str) -> float:
     return max(values, default=0.0)
 
 
+def longest_step(text: str) -> tuple[float, float, int]:
+    """/metrics' longest step of the last minute, and its replica's largest step ratio with the steps behind it."""
+    by_replica = lambda name: {line[len(name):].rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+                               for line in text.splitlines() if line.startswith((name + " ", name + "{"))}
+    ratios = by_replica("flash_dllm_step_seconds_max_ratio")
+    steps = by_replica("flash_dllm_step_seconds_max_ratio_steps")
+    worst = max(ratios, key=ratios.get, default=None)
+    return (metric_max(text, "flash_dllm_step_seconds_max"), ratios.get(worst, 0.0), int(steps.get(worst, 0)))
+
+
 async def send(client, config: MixServeConfig, request: MixRequest, start: float) -> MixAnswer:
     body = {"prompt": request.prompt_ids, "stream": True, "return_token_ids": True,
             **request.fields(config.spec.block_length), **config.fields}
@@ -389,7 +401,7 @@ async def run_online(config: MixServeConfig) -> MixResult:
         model = (await client.get("/v1/models")).json()["data"][0]
         requests = mix_requests(spec, model.get("vocab_size"))  # prompt ids within the served vocabulary
         before = metric_sums((await client.get("/metrics")).text)
-        longest: list[tuple[float, float]] = []
+        longest: list[tuple[float, float, int]] = []
         load: list[LoadSample] = []
 
         async def sample_steps():
@@ -397,8 +409,7 @@ async def run_online(config: MixServeConfig) -> MixResult:
             while True:
                 await asyncio.sleep(config.metrics_every_s * jitter.uniform(0.5, 1.5))
                 text = (await client.get("/metrics")).text
-                longest.append((metric_max(text, "flash_dllm_step_seconds_max"),
-                                metric_max(text, "flash_dllm_step_seconds_max_ratio")))
+                longest.append(longest_step(text))
                 sums = metric_sums(text)
                 load.append(LoadSample(int(sums.get("flash_dllm_requests_running", 0)),
                                        int(sums.get("flash_dllm_requests_waiting", 0)),
@@ -415,8 +426,7 @@ async def run_online(config: MixServeConfig) -> MixResult:
         sampler.cancel()
         text = (await client.get("/metrics")).text
         after = metric_sums(text)
-        longest.append((metric_max(text, "flash_dllm_step_seconds_max"),
-                        metric_max(text, "flash_dllm_step_seconds_max_ratio")))
+        longest.append(longest_step(text))
     delta = lambda name: after.get(f"flash_dllm_{name}", 0.0) - before.get(f"flash_dllm_{name}", 0.0)
     return MixResult(list(answers), wall,
                      (int(delta("kernel_compiles_after_ready_total")), delta("kernel_compile_seconds_after_ready_total")),

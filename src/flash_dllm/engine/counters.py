@@ -139,16 +139,17 @@ class StepLog:
             while self.steps and now - self.steps[0][0] > self.window_s:
                 self.steps.popleft()
 
-    def longest(self, now: float | None = None) -> tuple[float, float]:
+    def longest(self, now: float | None = None) -> tuple[float, float, int]:
         """(seconds of the longest step of the window, the largest ratio of a step to the median of its shape
-        there); (0, 0) without steps."""
+        there, how many steps of that shape the window holds: a median of a few is noisy); (0, 0, 0) without
+        steps."""
         now = time.perf_counter() if now is None else now
         with self._lock:
             steps = [(seconds, shape) for end, seconds, shape in self.steps if now - end <= self.window_s]
         if not steps:
-            return 0.0, 0.0
-        ratios = [ratio for _, _, ratio in step_ratios(steps).values()]
-        return max(seconds for seconds, _ in steps), max(ratios, default=0.0)
+            return 0.0, 0.0, 0
+        count, _, ratio = max(step_ratios(steps).values(), key=lambda shape: shape[2])
+        return max(seconds for seconds, _ in steps), ratio, count
 
 
 def step_ratios(steps: list[tuple[float, StepShape]]) -> dict[StepShape, tuple[int, float, float]]:

@@ -462,6 +462,8 @@ def prometheus_text(replicas: list[tuple[str | None, Stats, bool]], throttled: i
     metric("step_seconds_max_ratio", "gauge", "The largest ratio of a step of the last minute to the median step of "
            "its method, batch size, query rows (to a power of two) and routed rows in that minute.",
            each(lambda s: s.longest_step_ratio))
+    metric("step_seconds_max_ratio_steps", "gauge", "How many steps of that ratio's shape the last minute had (a median "
+           "of a few is noisy).", each(lambda s: s.longest_step_ratio_steps))
     if any(replica is not None for replica, _, _ in replicas):
         metric("replica_up", "gauge", "1 while the replica serves, 0 while it starts or once it has stopped.",
                [(labels(replica), int(up)) for replica, _, up in replicas])

@@ -89,7 +89,8 @@ class Stats:
     recent: deque = field(default_factory=deque)  # (finish time, tokens) of the last minute
     # On a request's path (engine/counters.py): kernel compiles, CUDA-graph captures and full garbage collections
     # after ready, with their seconds; the longest step of the last minute, and the largest ratio of a step to the
-    # median step of its method, batch size, work and routed rows there (engine/counters.StepShape).
+    # median step of its method, batch size, work and routed rows there (engine/counters.StepShape), with how many
+    # steps of that shape the minute had.
     start_up_s: float = 0.0
     compiles_after_ready: int = 0
     compile_s_after_ready: float = 0.0
@@ -99,6 +100,7 @@ class Stats:
     collection_s_after_ready: float = 0.0
     longest_step_s: float = 0.0
     longest_step_ratio: float = 0.0
+    longest_step_ratio_steps: int = 0
 
     def tokens_per_s(self, window_s: float = 10.0) -> float:
         now = time.perf_counter()
@@ -151,7 +153,7 @@ class AsyncEngine:
         stats.captures_after_ready, stats.capture_s_after_ready = after["captures"].count, after["captures"].seconds
         stats.collections_after_ready = after["collections"].count
         stats.collection_s_after_ready = after["collections"].seconds
-        stats.longest_step_s, stats.longest_step_ratio = self.step_log.longest()
+        stats.longest_step_s, stats.longest_step_ratio, stats.longest_step_ratio_steps = self.step_log.longest()
 
     def shutdown(self):
         self._stop.set()
