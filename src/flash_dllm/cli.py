@@ -521,6 +521,14 @@ def cmd_sweep(args):
         shutdown(ctx)
 
 
+def graph_batch_sizes(args) -> tuple[int, ...]:
+    """--graph-batch-sizes, each at most --max-batch (a larger batch never runs)."""
+    if max(args.graph_batch_sizes) > args.max_batch:
+        raise ValueError(f"--graph-batch-sizes {max(args.graph_batch_sizes)} is more than --max-batch "
+                         f"{args.max_batch}: no batch would replay it")
+    return tuple(sorted(set(args.graph_batch_sizes)))
+
+
 def cmd_serve(args):
     from functools import partial
 
@@ -530,12 +538,9 @@ def cmd_serve(args):
 
     params = sampling_params_from_args(args)  # the server's defaults, checked before the model loads
     given = {name: getattr(args, name) for name in knobs() if getattr(args, name) is not None}
-    if max(args.graph_batch_sizes) > args.max_batch:
-        raise ValueError(f"--graph-batch-sizes {max(args.graph_batch_sizes)} is more than --max-batch "
-                         f"{args.max_batch}: no batch would replay it")
     config = ServeConfig(model_name=args.served_model_name or Path(args.model or "default").name,
                          defaults=ServerDefaults(params, given, tuple(args.methods) if args.methods else None,
-                                                 graph_batch_sizes=tuple(sorted(set(args.graph_batch_sizes)))),
+                                                 graph_batch_sizes=graph_batch_sizes(args)),
                          max_queue=args.max_queue,
                          api_key=args.api_key)
     replicas = args.data_parallel_size
@@ -586,11 +591,11 @@ def cmd_bench_mix(args):
 
     from .bench.mix import format_report, run_offline, save_answers, warm_up
 
-    spec = mix_spec_from_args(args)
+    spec, sizes = mix_spec_from_args(args), graph_batch_sizes(args)
     llm = llm_from_args(args, max_batch_size=args.max_batch)
     start = time.perf_counter()
     phases = warm_up(llm, spec, requests=not args.no_warm_up_requests, capture_after_ready=args.capture_after_ready,
-                     graph_batch_sizes=tuple(sorted(set(args.graph_batch_sizes))))
+                     graph_batch_sizes=sizes)
     device_name = torch.cuda.get_device_name(llm.device) if llm.device.type == "cuda" else "cpu"
     print(f"# bench mix: {args.model} on {device_name}, {llm.dtype}, max batch {args.max_batch}; "
           f"{describe_mix(spec)}; warm-up {time.perf_counter() - start:.1f} s"

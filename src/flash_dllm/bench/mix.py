@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 from ..engine.counters import ReadyMark, StepShape, percentile, step_ratios
+from ..engine.warmup import STEADY_BATCH_SIZES
 
 if TYPE_CHECKING:
     from ..engine.warmup import StartUpPhases
@@ -305,21 +306,20 @@ def run_offline(llm, spec: MixSpec, requests: list[MixRequest] | None = None) ->
 
 
 def warm_up(llm, spec: MixSpec, requests: bool = True, capture_after_ready: bool = False,
-            graph_batch_sizes: tuple[int, ...] | None = None) -> StartUpPhases | None:
+            graph_batch_sizes: tuple[int, ...] = STEADY_BATCH_SIZES) -> StartUpPhases | None:
     """What `serve` does before ready (engine/warmup.py's `before_ready` with its defaults: every method and the
     warm-up's own requests, none of the mix's shapes; the mix's block length), then no CUDA-graph captures;
     returns its phases' times; and what the start-up left is frozen out of later garbage collections
     (`freeze_heap`). requests=False: as before issue 40, the KV cache only (and with it, on CUDA,
     compile_kernels' dense passes), nothing frozen: None.
     capture_after_ready: graphs are still captured lazily during the mix (as before issue 40: the throughput
-    that stopping the captures costs). graph_batch_sizes: `serve --graph-batch-sizes` (None: its default)."""
+    that stopping the captures costs). graph_batch_sizes: `serve --graph-batch-sizes`."""
     from ..engine.warmup import before_ready, freeze_heap
 
     runner = llm.runner
     phases = None
     if requests:
-        phases = before_ready(llm, block_length=spec.block_length,
-                              **({} if graph_batch_sizes is None else {"graph_batch_sizes": graph_batch_sizes}))
+        phases = before_ready(llm, block_length=spec.block_length, graph_batch_sizes=graph_batch_sizes)
     else:
         runner.allocate_cache(with_hidden=True)
     if runner.graphs is not None and not capture_after_ready:
