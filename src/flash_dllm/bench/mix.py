@@ -7,7 +7,7 @@ worst p99/p50 of end-to-end latency; the kernel compiles, CUDA-graph captures an
 after ready and their time
 (engine/counters.py: from /metrics before and after, or in process); the steps' times per method, batch size,
 work and routed rows (`StepShape`; offline: each step; server: the worst step of each minute over its shape's
-median, from /metrics while the mix runs); the requests running and waiting (offline: at each step; server: from
+median, and how many steps that median stood on, from /metrics while the mix runs); the requests running and waiting (offline: at each step; server: from
 /metrics every few seconds), which tell a load the engine keeps up with from one it queues, and the fraction of KV-cache
 rows held (requests wait with fewer than the maximum running where no free range of the cache holds the next one);
 and by minute of arrival, the requests' end-to-end latency over their shape's p50 (slow requests that cluster in time
@@ -23,13 +23,10 @@ import random
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from ..engine.counters import ReadyMark, StepShape, percentile, step_ratios
-from ..engine.warmup import STEADY_BATCH_SIZES
-
-if TYPE_CHECKING:
-    from ..engine.warmup import StartUpPhases
+from ..engine.warmup import STEADY_BATCH_SIZES, StartUpPhases, before_ready, freeze_heap
 
 DENSE = "dense"  # the routing label of requests without kv_routing
 ARRIVALS = ("poisson", "even")
@@ -314,8 +311,6 @@ def warm_up(llm, spec: MixSpec, requests: bool = True, capture_after_ready: bool
     compile_kernels' dense passes), nothing frozen: None.
     capture_after_ready: graphs are still captured lazily during the mix (as before issue 40: the throughput
     that stopping the captures costs). graph_batch_sizes: `serve --graph-batch-sizes`."""
-    from ..engine.warmup import before_ready, freeze_heap
-
     runner = llm.runner
     phases = None
     if requests:
