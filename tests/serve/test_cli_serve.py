@@ -11,6 +11,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from flash_dllm.cli import main
 
@@ -102,3 +103,20 @@ def test_bench_serve(server, capsys):
 def test_bench_serve_without_a_server(capsys):
     assert main(["bench", "serve", "--url", f"http://127.0.0.1:{free_port()}", "--duration", "1"]) == 2
     assert "no server answers" in capsys.readouterr().err
+
+
+def test_the_start_up_captures_the_served_graph_batch_sizes(llm, monkeypatch):
+    """`serve --graph-batch-sizes 1 2`: the start-up's `before_ready` gets them (and its methods)."""
+    from flash_dllm.engine import warmup
+    from flash_dllm.sampling_params import SamplingParams
+    from flash_dllm.serve.api_server import start_up
+    from flash_dllm.serve.protocol import ServerDefaults
+
+    calls = []
+    monkeypatch.setattr(warmup, "before_ready", lambda llm, **kwargs: calls.append(kwargs) or warmup.StartUpPhases())
+    monkeypatch.setattr(warmup, "freeze_heap", lambda: None)
+    params = SamplingParams(method="flash-cache", max_tokens=8, block_length=8)
+    start_up(llm, ServerDefaults(params, methods=("flash-cache",), graph_batch_sizes=(1, 2)))
+    assert calls == [dict(methods=("flash-cache",), block_length=8, graph_batch_sizes=(1, 2))]
+    with pytest.raises(ValueError, match=r"graph_batch_sizes must be batch sizes >= 1, got \[0, 2\]"):
+        ServerDefaults(params, graph_batch_sizes=(0, 2))
