@@ -7,11 +7,12 @@ worst p99/p50 of end-to-end latency; the kernel compiles, CUDA-graph captures an
 after ready and their time
 (engine/counters.py: from /metrics before and after, or in process); the steps' times per method, batch size,
 work and routed rows (`StepShape`; offline: each step; server: the worst step of each minute over its shape's
-median, and how many steps that median stood on, from /metrics while the mix runs); the requests running and waiting (offline: at each step; server: from
-/metrics every few seconds), which tell a load the engine keeps up with from one it queues, and the fraction of KV-cache
-rows held (requests wait with fewer than the maximum running where no free range of the cache holds the next one);
-and by minute of arrival, the requests' end-to-end latency over their shape's p50 (slow requests that cluster in time
-point at an episode of the engine's, spread ones at the mix).
+median, and how many steps that median stood on, from /metrics while the mix runs); the requests running and
+waiting (offline: at each step; server: from /metrics every few seconds), which tell a load the engine keeps up
+with from one it queues, and the fraction of KV-cache rows held (requests wait with fewer than the maximum running
+where no free range of the cache holds the next one); and by minute of arrival, the requests' end-to-end latency
+over their shape's p50 (slow requests that cluster in time point at an episode of the engine's, spread ones at the
+mix).
 
 Prompts are random token ids (a seeded stream per request); answers are not checked (`bench serve` checks them).
 """
@@ -25,7 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from ..engine.counters import ReadyMark, StepShape, percentile, step_ratios
+from ..engine.counters import ReadyMark, StepShape, percentile, step_ratios, worst_shape
 from ..engine.warmup import STEADY_BATCH_SIZES, StartUpPhases, before_ready, freeze_heap
 
 DENSE = "dense"  # the routing label of requests without kv_routing
@@ -157,8 +158,7 @@ class MixResult:
 
     def summary_row(self) -> tuple:
         tokens = sum(a.tokens for a in self.ok)
-        count, _, worst = max(step_ratios(self.steps).values(), key=lambda shape: shape[2],
-                              default=(self.longest_step[2], 0.0, self.longest_step[1]))
+        count, _, worst = worst_shape(self.steps) or (self.longest_step[2], 0.0, self.longest_step[1])
         return (len(self.answers), len(self.answers) - len(self.ok), f"{self.wall_s:.1f}",
                 f"{len(self.ok) / self.wall_s:.2f}", f"{tokens / self.wall_s:.1f}", self.compiles[0],
                 f"{self.compiles[1]:.2f}", self.captures[0], f"{self.captures[1]:.2f}", self.collections[0],
@@ -349,18 +349,20 @@ def metric_sums(text: str) -> dict[str, float]:
     return sums
 
 
+def metric_values(text: str, name: str) -> dict[str, float]:
+    """A /metrics family's values by their labels ("" for none; with replicas '{replica="i"}')."""
+    return {line[len(name):].rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith((name + " ", name + "{"))}
+
+
 def metric_max(text: str, name: str) -> float:
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line.startswith(name + " ") or line.startswith(name + "{")]
-    return max(values, default=0.0)
+    return max(metric_values(text, name).values(), default=0.0)
 
 
 def longest_step(text: str) -> tuple[float, float, int]:
     """/metrics' longest step of the last minute, and its replica's largest step ratio with the steps behind it."""
-    by_replica = lambda name: {line[len(name):].rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-                               for line in text.splitlines() if line.startswith((name + " ", name + "{"))}
-    ratios = by_replica("flash_dllm_step_seconds_max_ratio")
-    steps = by_replica("flash_dllm_step_seconds_max_ratio_steps")
+    ratios = metric_values(text, "flash_dllm_step_seconds_max_ratio")
+    steps = metric_values(text, "flash_dllm_step_seconds_max_ratio_steps")
     worst = max(ratios, key=ratios.get, default=None)
     return (metric_max(text, "flash_dllm_step_seconds_max"), ratios.get(worst, 0.0), int(steps.get(worst, 0)))
 

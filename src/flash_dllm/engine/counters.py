@@ -148,8 +148,13 @@ class StepLog:
             steps = [(seconds, shape) for end, seconds, shape in self.steps if now - end <= self.window_s]
         if not steps:
             return 0.0, 0.0, 0
-        count, _, ratio = max(step_ratios(steps).values(), key=lambda shape: shape[2])
+        count, _, ratio = worst_shape(steps)
         return max(seconds for seconds, _ in steps), ratio, count
+
+
+def worst_shape(steps: list[tuple[float, StepShape]]) -> tuple[int, float, float] | None:
+    """step_ratios' entry of the shape whose longest step is furthest over its median; None without steps."""
+    return max(step_ratios(steps).values(), key=lambda entry: entry[2], default=None)
 
 
 def step_ratios(steps: list[tuple[float, StepShape]]) -> dict[StepShape, tuple[int, float, float]]:
