@@ -2,6 +2,7 @@
 error naming the culprit, or the behaviour asked for, and the other requests of the call still finishing."""
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -44,6 +45,14 @@ def test_counts_out_of_range_are_usage_errors(argv, capsys):
     assert main(argv) == 2
     err = one_line(capsys.readouterr().err, "flash-dllm ")
     assert "error: argument --" in err and err.endswith("--help)")
+
+
+def test_default_graph_batch_sizes_stay_within_the_batch():
+    from flash_dllm.cli import graph_batch_sizes
+
+    assert graph_batch_sizes(argparse.Namespace(graph_batch_sizes=None, max_batch=1)) == (1,)
+    assert graph_batch_sizes(argparse.Namespace(graph_batch_sizes=None, max_batch=32)) == (1, 2)
+    assert graph_batch_sizes(argparse.Namespace(graph_batch_sizes=[4, 2, 2], max_batch=32)) == (2, 4)
 
 
 def test_graph_batch_sizes_beyond_the_batch_are_an_error(capsys):

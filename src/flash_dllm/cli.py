@@ -522,11 +522,24 @@ def cmd_sweep(args):
 
 
 def graph_batch_sizes(args) -> tuple[int, ...]:
-    """--graph-batch-sizes, each at most --max-batch (a larger batch never runs)."""
+    """--graph-batch-sizes, each at most --max-batch (a larger batch never runs); left out: the default sizes up
+    to --max-batch."""
+    if args.graph_batch_sizes is None:
+        return tuple(size for size in STEADY_BATCH_SIZES if size <= args.max_batch)
     if max(args.graph_batch_sizes) > args.max_batch:
         raise ValueError(f"--graph-batch-sizes {max(args.graph_batch_sizes)} is more than --max-batch "
                          f"{args.max_batch}: no batch would replay it")
     return tuple(sorted(set(args.graph_batch_sizes)))
+
+
+def step_trace_path(args) -> str | None:
+    """--step-trace, checked before the model loads: its folder must exist."""
+    if args.step_trace is None:
+        return None
+    folder = Path(args.step_trace).resolve().parent
+    if not folder.is_dir():
+        raise ValueError(f"--step-trace {args.step_trace}: the folder {folder} does not exist")
+    return args.step_trace
 
 
 def cmd_serve(args):
@@ -542,7 +555,8 @@ def cmd_serve(args):
                          defaults=ServerDefaults(params, given, tuple(args.methods) if args.methods else None,
                                                  graph_batch_sizes=graph_batch_sizes(args)),
                          max_queue=args.max_queue,
-                         api_key=args.api_key)
+                         api_key=args.api_key,
+                         step_trace=step_trace_path(args))
     replicas = args.data_parallel_size
     if replicas > 1 or args.engine_process:
         devices = replica_devices(replicas, args.device, args.tensor_parallel_size)
@@ -555,7 +569,7 @@ def cmd_serve(args):
         if devices[0] is not None:  # a replica sees only its GPUs (cuda:0 ...)
             options.device = "cuda"
         pool = ReplicaPool(partial(llm_from_args, options, max_batch_size=args.max_batch), config.defaults,
-                           devices, args.max_batch)
+                           devices, args.max_batch, config.step_trace)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"flash-dllm: warning: serving on {args.host} without --api-key", file=sys.stderr)
     print(f"flash-dllm: serving {config.model_name} on http://{args.host}:{args.port}"
@@ -741,10 +755,15 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the methods the server runs (default: every one); a request for another gets a 400. The "
                           "start-up warms only these, and without elastic the KV cache keeps no room for per-layer "
                           "hidden states: about 1.5x the rows for LLaDA-8B in the same memory")
-    srv.add_argument("--graph-batch-sizes", type=at_least(1), nargs="+", default=list(STEADY_BATCH_SIZES),
+    srv.add_argument("--graph-batch-sizes", type=at_least(1), nargs="+",
                      help="batch sizes whose steady passes (Flash-Cache, dual-cache) the start-up captures as CUDA "
                           "graphs, for every width of the keys: a batch of another size runs them eagerly. Each "
-                          "size adds about 20 graphs a method to the start-up")
+                          "size adds about 20 graphs a method (~1.4 s) to the start-up (default: "
+                          f"{' '.join(map(str, STEADY_BATCH_SIZES))}, those within --max-batch)")
+    srv.add_argument("--step-trace", metavar="PATH",
+                     help="write every engine step to PATH as a JSON line, from ready on: its wall and CPU seconds, "
+                          "shape (method, batch size, query rows, routed rows) and load; with replicas one file "
+                          "each (PATH.replica0 ...). For finding what made a step slow; off by default")
     add_sampling_args(srv)  # the defaults of the fields a request leaves out
     srv.set_defaults(func=cmd_serve)
 
@@ -833,8 +852,9 @@ def build_parser() -> argparse.ArgumentParser:
     bmix.add_argument("--capture-after-ready", action="store_true",
                       help="capture CUDA graphs during the mix too, as before issue 40 (serve captures none after "
                            "ready)")
-    bmix.add_argument("--graph-batch-sizes", type=at_least(1), nargs="+", default=list(STEADY_BATCH_SIZES),
-                      help="as serve's: batch sizes whose steady passes the warm-up captures")
+    bmix.add_argument("--graph-batch-sizes", type=at_least(1), nargs="+",
+                      help="as serve's: batch sizes whose steady passes the warm-up captures (default: "
+                           f"{' '.join(map(str, STEADY_BATCH_SIZES))}, those within --max-batch)")
     add_mix_args(bmix)
     bmix.set_defaults(func=cmd_bench_mix)
     return parser

@@ -454,3 +454,18 @@ def test_the_start_up_freezes_what_it_leaves_out_of_later_collections():
         assert gc.get_freeze_count() > 0 and not any(o is llm.engine for o in gc.get_objects())
     finally:
         gc.unfreeze()
+
+
+def test_step_trace_writes_every_step(llm, start_server, tmp_path):
+    trace = tmp_path / "steps.jsonl"
+    with start_server(llm, step_trace=str(trace)) as url, httpx.Client(base_url=url, timeout=120) as client:
+        for prompt in (QUESTION, PROGRAM):
+            assert client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 16}).status_code == 200
+        iterations = metric(client, "flash_dllm_engine_iterations_total")
+    steps = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert len(steps) == iterations > 0
+    assert [step["t"] for step in steps] == sorted(step["t"] for step in steps) and steps[0]["t"] == 0
+    for step in steps:
+        assert step["method"] == "parallel" and step["batch_size"] == 1 and step["query_rows"] >= 1
+        assert 0 <= step["cpu_seconds"] and 0 < step["seconds"] and step["routed_rows"] == 0
+        assert step["running"] <= 1 and step["waiting"] == 0 and step["positions"] > 0 and step["collections"] >= 0

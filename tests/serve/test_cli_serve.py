@@ -90,6 +90,13 @@ def test_serve_rejects_bad_defaults_in_one_line(capsys):
     assert err.count("\n") == 0 and "threshold" in err
 
 
+def test_serve_rejects_a_step_trace_without_its_folder(capsys, tmp_path):
+    missing = tmp_path / "no" / "steps.jsonl"
+    assert main(["serve", "--device", "cpu", "--step-trace", str(missing)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"flash-dllm: error: --step-trace {missing}: the folder {missing.parent} does not exist"
+
+
 def test_bench_serve(server, capsys):
     code = main(["bench", "serve", "--url", server, "--clients", "4", "--duration", "2", "--num-prompts", "4",
                  "--max-tokens", "32", "--fields", json.dumps({"method": "flash-cache"})])

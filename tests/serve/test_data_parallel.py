@@ -15,7 +15,7 @@ from flash_dllm import SamplingParams
 from flash_dllm.cli import main
 from flash_dllm.serve import replicas as replicas_module
 from flash_dllm.serve.async_engine import Failed, Request
-from flash_dllm.serve.replicas import ReplicaPool, replica_devices
+from flash_dllm.serve.replicas import ReplicaPool, replica_devices, replica_trace_path
 
 from .test_api_server import MESSAGES, PROGRAM, QUESTION, SLOW, metric, stream_events
 from .test_cli_serve import free_port, serve_process
@@ -206,3 +206,9 @@ def test_routing_takes_the_fewest_in_flight_and_skips_stopped_replicas():
         return await pool.submit([request])
 
     assert asyncio.run(submit()) == [Failed("no replica is alive", 503)]
+
+
+def test_replica_trace_paths():
+    assert replica_trace_path(None, 0, 2) is None
+    assert replica_trace_path("out/steps.jsonl", 0, 1) == "out/steps.jsonl"
+    assert replica_trace_path("out/steps.jsonl", 1, 2) == "out/steps.replica1.jsonl"

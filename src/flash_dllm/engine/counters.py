@@ -15,7 +15,8 @@ so its counts are its own):
   engine's thread while it traverses every tracked object (about 0.1 s for a tiny model's process on a slow CPU;
   a server freezes what its start-up left, engine/warmup.freeze_heap, so that later ones traverse only newer ones).
 `ReadyMark` takes a baseline when a server (or a benchmark) reports ready: what is counted after it happened on
-a request's path. `StepLog` keeps the engine's steps of the last minute (their time and `StepShape`).
+a request's path. `StepLog` keeps the engine's steps of the last minute (their time and `StepShape`); `StepTrace`
+writes every step to a file.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import contextlib
 import dataclasses
 import gc
 import inspect
+import json
 import logging
 import math
 import statistics
@@ -168,6 +170,34 @@ def step_ratios(steps: list[tuple[float, StepShape]]) -> dict[StepShape, tuple[i
         out[shape] = (len(times), median, max(times) / median if median > 0 else 0.0)
     return out
 
+
+
+class StepTrace:
+    """Every engine step as one JSON line (`serve --step-trace PATH`), for when /metrics' longest step is not
+    enough to tell what made a step slow: when it ended (seconds after the first step), its wall seconds and the
+    engine thread's CPU seconds in it (a step's wall beyond its CPU time is time the thread waited: for the GIL
+    while the HTTP front runs Python, or in a sync that sleeps), how many garbage collections ran in it, its
+    StepShape, and the load (running and waiting requests, the running ones' positions: prompt + max_tokens)."""
+
+    def __init__(self, path: str):
+        self.file = open(path, "w", buffering=1)  # a line at a time: a killed server keeps what it traced
+        self.origin: float | None = None
+
+    def record(self, end: float, seconds: float, cpu_seconds: float, collections: int, shape: StepShape,
+               running: int, waiting: int, positions: int):
+        self.origin = end if self.origin is None else self.origin
+        self.file.write(json.dumps(dict(t=round(end - self.origin, 6), seconds=round(seconds, 6),
+                                        cpu_seconds=round(cpu_seconds, 6), collections=collections,
+                                        **shape._asdict(), running=running, waiting=waiting,
+                                        positions=positions)) + "\n")
+
+    def close(self):
+        self.file.close()
+
+
+def collections_so_far() -> int:
+    """Garbage collections of any generation in this process so far."""
+    return sum(generation["collections"] for generation in gc.get_stats())
 
 # The hook into Python's garbage collector.
 

@@ -308,9 +308,11 @@ def warm_up_requests(llm, methods: tuple[str, ...] | None = None,
 # later batch: engine/cuda_graphs.py), but a pass replays any graph of its shape. The steady passes of the methods
 # that declare one (`DecodingMethod.steady_pass`: Flash-Cache's budget, dual-cache's block) are captured before
 # ready for these batch sizes and every bucket of the keys' width (model_runner.prepare); a batch's other passes
-# (first passes, refreshes, other batch sizes or settings) run eagerly. More batch sizes (`serve
-# --graph-batch-sizes`) cost start-up: one graph per batch size, method and bucket (~20 a method, ~50 ms each).
-STEADY_BATCH_SIZES = (1,)
+# (first passes, refreshes, other batch sizes or settings) run eagerly. Each batch size (`serve
+# --graph-batch-sizes`) costs start-up: one graph per method and bucket (~20 a method, ~70 ms each on an H100).
+# Batch 2 is the default's second: at low load the most frequent batch after 1, whose steady step replayed took
+# 16 ms against 22.5 ms eager (benchmarks/RESULTS.md, session 34).
+STEADY_BATCH_SIZES = (1, 2)
 
 
 def key_widths(first: int, last: int) -> list[int]:
@@ -327,8 +329,8 @@ def capture_steady_passes(llm, methods: tuple[str, ...], block_length: int = 32,
     """Capture the CUDA graphs of the steady passes of `methods` (with their default settings and `block_length`)
     over `batch_sizes` requests, at every bucket of the keys' width that a sequence the cache and the model hold
     reaches: each pass runs twice on a synthetic batch (a graph is captured at its shape's second sighting). The
-    batch's rows are the cache's first; what the passes write there, before ready, no request reads. Returns how
-    many shapes were captured."""
+    batch's rows are the cache's first; what the passes write there, before ready, no request reads. Sizes past the
+    engine's largest batch are skipped. Returns how many shapes were captured."""
     from ..batch import Counters, DecodeBatch, RowState
     from ..decoding.registry import method_of
     from ..sampling_params import SamplingParams
@@ -347,7 +349,7 @@ def capture_steady_passes(llm, methods: tuple[str, ...], block_length: int = 32,
         if steady is None:
             continue
         rows, tracked = steady
-        for requests in batch_sizes:
+        for requests in (size for size in batch_sizes if size <= llm.engine.scheduler.max_batch_size):
             longest = min(runner.cache.num_rows // requests, llm.config.max_position)
             for width in key_widths(rows + 1, longest):
                 length = min(width, longest)  # a width past the longest sequence: the longest that reaches it

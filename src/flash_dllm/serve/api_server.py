@@ -51,6 +51,7 @@ class ServeConfig:
     defaults: ServerDefaults
     max_queue: int = 256           # requests waiting beyond the running batch before 429
     api_key: str | None = None     # required as "Authorization: Bearer KEY" on /v1/* when set
+    step_trace: str | None = None  # a file for every engine step (engine/counters.StepTrace)
 
     def __post_init__(self):
         if self.max_queue < 0:
@@ -151,7 +152,7 @@ def build_app(llm: LLM, config: ServeConfig, start_up: Callable[[], None] | None
     start_up: run on the engine's thread before it takes requests (`start_up` below, for `serve`).
     engine: the engine client; default: an AsyncEngine over `llm` in this process."""
     if engine is None:
-        engine = AsyncEngine(llm, start_up)
+        engine = AsyncEngine(llm, start_up, config.step_trace)
 
     @contextlib.asynccontextmanager
     async def lifespan(_):

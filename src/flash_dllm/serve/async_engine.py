@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..engine.counters import ReadyMark, StepLog
+from ..engine.counters import ReadyMark, StepLog, StepTrace, collections_so_far
 from ..engine.sequence import Sequence
 from ..llm import LLM
 from ..sampling_params import SamplingParams
@@ -108,12 +108,14 @@ class Stats:
 
 
 class AsyncEngine:
-    def __init__(self, llm: LLM, start_up: Callable[[], None] | None = None):
+    def __init__(self, llm: LLM, start_up: Callable[[], None] | None = None, step_trace: str | None = None):
+        """step_trace: a file to write every engine step to (engine/counters.StepTrace), from ready on."""
         self.llm = llm
         self.engine = llm.engine
         self.stats = Stats()
         self.ready_mark = ReadyMark()
         self.step_log = StepLog()
+        self.step_trace = StepTrace(step_trace) if step_trace else None
         self._start_up = start_up
         self.ready = threading.Event()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -237,6 +239,8 @@ class AsyncEngine:
                 if kind == "add":
                     self._post(request, loop, Failed(message))
             self._fail(list(self._active), message)
+            if self.step_trace is not None:
+                self.step_trace.close()
 
     def _serve(self):
         failures = 0  # consecutive failed steps: a device that fails every step ends the loop (/health: 503)
@@ -248,9 +252,13 @@ class AsyncEngine:
                 self._wakeup.clear()
                 continue
             try:
-                start = time.perf_counter()
+                start, cpu_start, collections = time.perf_counter(), time.thread_time(), collections_so_far()
                 finished = self.engine.step()
-                self.step_log.record(time.perf_counter() - start, self.engine.last_step)
+                end = time.perf_counter()
+                self.step_log.record(end - start, self.engine.last_step, end)
+                if self.step_trace is not None:
+                    self._trace_step(end, end - start, time.thread_time() - cpu_start,
+                                     collections_so_far() - collections)
                 streaming = [(seq, *self._active[seq]) for seq in self.engine.running
                              if not seq.is_finished and seq in self._active and self._active[seq][0].stream]
                 self._post_prefixes(streaming)
@@ -271,6 +279,11 @@ class AsyncEngine:
                 self._count(seq)
                 self._post(request, loop, Finished(seq))
             self._update_gauges()
+
+    def _trace_step(self, end: float, seconds: float, cpu_seconds: float, collections: int):
+        engine = self.engine
+        self.step_trace.record(end, seconds, cpu_seconds, collections, engine.last_step, engine.num_running,
+                               len(engine.scheduler.waiting), sum(seq.length for seq in engine.running))
 
     def _post_prefixes(self, streaming: list):
         grown = [(seq, request, loop) for seq, request, loop in streaming if seq.final_length > request.sent_length]

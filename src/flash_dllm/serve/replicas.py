@@ -29,6 +29,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection, wait
+from pathlib import Path
 
 from ..llm import LLM, RANDOM_PREFIX, default_model_path, resolve_device
 from ..models import ARCHITECTURES, config_from_dir, resolve_checkpoint
@@ -110,8 +111,8 @@ class Outcome:
 class ReplicaEngine(AsyncEngine):
     """A replica's engine loop: its events go to the front over a pipe instead of to asyncio queues."""
 
-    def __init__(self, llm: LLM, start_up: Callable[[], None], events: Connection):
-        super().__init__(llm, start_up)
+    def __init__(self, llm: LLM, start_up: Callable[[], None], events: Connection, step_trace: str | None = None):
+        super().__init__(llm, start_up, step_trace)
         self.events = events
         self.requests: dict[int, ReplicaRequest] = {}  # in flight, by id
         self._send_lock = threading.Lock()  # the engine thread and the main thread both send
@@ -144,7 +145,7 @@ class ReplicaEngine(AsyncEngine):
 
 
 def run_replica(make_llm: Callable[[], LLM], defaults: ServerDefaults, commands: Connection, events: Connection,
-                num_threads: int | None):
+                num_threads: int | None, step_trace: str | None = None):
     """A replica process: its LLM, start-up and engine loop, serving the front's messages until "stop", or until
     the front is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the front stops us
@@ -168,7 +169,7 @@ def run_replica(make_llm: Callable[[], LLM], defaults: ServerDefaults, commands:
             raise
         engine.send(("ready",))
 
-    engine = ReplicaEngine(llm, start, events)
+    engine = ReplicaEngine(llm, start, events, step_trace)
     engine.start()
     while True:
         try:
@@ -228,17 +229,26 @@ def exit_reason(code: int | None) -> str:
     return f"exit code {code}"
 
 
+def replica_trace_path(path: str | None, index: int, replicas: int) -> str | None:
+    """`serve --step-trace PATH`'s file for replica `index`: PATH itself for a single one, else PATH with
+    ".replica{index}" before its suffix (steps.jsonl -> steps.replica0.jsonl)."""
+    if path is None or replicas == 1:
+        return path
+    where = Path(path)
+    return str(where.with_name(f"{where.stem}.replica{index}{where.suffix}"))
+
 class ReplicaPool:
     """The HTTP front's engine client over data-parallel replicas (AsyncEngine's interface).
 
     make_llm: builds a replica's LLM in its process (picklable: a module-level function or a partial of one).
     devices: each replica's CUDA_VISIBLE_DEVICES (replica_devices), None for the CPU; one replica each.
     on_ready: called once every replica has started; on_failure: with a ReplicaError when one fails to start.
+    step_trace: the file each replica writes its engine steps to (replica_trace_path).
     """
 
     def __init__(self, make_llm: Callable[[], LLM], defaults: ServerDefaults, devices: list[str | None],
-                 max_batch_size: int):
-        self.make_llm, self.defaults = make_llm, defaults
+                 max_batch_size: int, step_trace: str | None = None):
+        self.make_llm, self.defaults, self.step_trace = make_llm, defaults, step_trace
         self.replicas = [Replica(index, where) for index, where in enumerate(devices)]
         self.max_batch_size = max_batch_size * len(self.replicas)
         self.ready = threading.Event()
@@ -262,7 +272,9 @@ class ReplicaPool:
             commands, replica.commands = context.Pipe(duplex=False)
             replica.events, events = context.Pipe(duplex=False)
             replica.process = context.Process(target=run_replica, name=f"flash-dllm-replica-{replica.index}",
-                                              args=(self.make_llm, self.defaults, commands, events, num_threads))
+                                              args=(self.make_llm, self.defaults, commands, events, num_threads,
+                                                    replica_trace_path(self.step_trace, replica.index,
+                                                                       len(self.replicas))))
             with visible_devices(replica.devices):
                 replica.process.start()
             commands.close()  # the replica holds these ends now: its exit closes the pipes
