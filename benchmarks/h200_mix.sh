@@ -24,7 +24,8 @@
 #                 (SINGLE, so that one batch takes every request) at RATE (unset: 0.85 of what SINGLE serves offline
 #                 when offered more) for ARRIVE_S seconds of arrivals, the load sampled from /metrics;
 #                 ARRIVALS=even: the same requests evenly spaced (the spread of equal requests' latency that is left
-#                 is the engine's)
+#                 is the engine's); MIX_ROUTINGS: the routings (default dense and chunk; "dense": no routed step, so
+#                 every steady pass replays a graph)
 #   PART=front    PART=steady's mix (RATE 1.4, ARRIVALS even, ARRIVE_S 150) served twice: the engine loop in the
 #                 HTTP front's process, then in a process of its own (`serve --engine-process`): what the front's
 #                 Python work costs the engine's steps (FRONT_MODES="engine_process in_process": the other order)
@@ -112,7 +113,7 @@ PY
     echo "## rate: $RATE requests/s"
   fi
   REQUESTS=$(python -c "print(max(1, int($RATE * ${ARRIVE_S:-420})))") MIX_S=$((${ARRIVE_S:-420} + 60))
-  MIX="--rate $RATE --requests $REQUESTS --mix-arrivals ${ARRIVALS:-poisson} $SINGLE"
+  MIX="--rate $RATE --requests $REQUESTS --mix-arrivals ${ARRIVALS:-poisson} $SINGLE ${MIX_ROUTINGS:+--mix-routings $MIX_ROUTINGS}"
   serve_and_mix steady ;;
 front)
   MIX="--rate ${RATE:-1.4} --requests $(python -c "print(int(${RATE:-1.4} * ${ARRIVE_S:-150}))") --mix-arrivals ${ARRIVALS:-even} $SINGLE"
