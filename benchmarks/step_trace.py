@@ -55,13 +55,13 @@ def main():
     for step in steps:
         step["ratio"] = step["seconds"] / medians[int(step["t"] // args.window_s), shape_of(step)]
     print(f"\nthe {args.top} steps furthest over their shape's median in their minute")
-    print("| t s | ratio | ms | CPU ms | waited ms | collections | batch | query rows | routed | running | waiting "
-          "| positions |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| t s | ratio | ms | CPU ms | waited ms | collections | batch | query rows (class) | routed | running "
+          "| waiting | positions |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
     for step in sorted(steps, key=lambda s: -s["ratio"])[:args.top]:
         print(f"| {step['t']:.1f} | {step['ratio']:.2f} | {1e3 * step['seconds']:.1f} | "
               f"{1e3 * step['cpu_seconds']:.1f} | {1e3 * step['waited']:.1f} | {step['collections']} | "
-              f"{step['batch_size']} | {step['query_rows']} | {step['routed_rows']} | {step['running']} | "
-              f"{step['waiting']} | {step['positions']} |")
+              f"{step['batch_size']} | {step['rows']} ({step['query_rows']}) | {step['routed_rows']} | "
+              f"{step['running']} | {step['waiting']} | {step['positions']} |")
     over = [step for step in steps if step["ratio"] > 1.5]
     rest = [step for step in steps if step["ratio"] <= 1.5]
     for name, group in (("over 1.5x", over), ("the rest", rest)):

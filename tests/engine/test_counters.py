@@ -71,8 +71,11 @@ def test_the_heap_a_start_up_leaves_is_frozen_out_of_later_collections():
         gc.unfreeze()
 
 
-def test_a_steps_work_class_is_its_query_rows_to_a_power_of_two():
-    assert [work_class(n) for n in (0, 1, 2, 3, 32, 33, 4096, 4097)] == [1, 1, 2, 4, 32, 64, 4096, 8192]
+def test_a_steps_work_class_is_its_query_rows_to_a_quarter_octave():
+    assert [work_class(n) for n in (0, 1, 2, 3, 8, 9, 32, 33, 144, 192, 4096, 4097)] == \
+        [1, 1, 2, 3, 8, 10, 32, 40, 160, 192, 4096, 5120]
+    for rows in range(1, 5000):  # one class holds rows within 1.25x of each other
+        assert rows <= work_class(rows) <= 1.25 * rows
 
 
 def test_the_engine_classes_each_step_by_the_rows_it_computed():

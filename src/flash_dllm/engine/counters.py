@@ -108,9 +108,9 @@ class ReadyMark:
 
 class StepShape(NamedTuple):
     """What an engine step's time is compared within: its method, batch size and work, the query rows its passes
-    computed (full-depth rows, summed over the batch) rounded up to a power of two (`work_class`). A dLLM step's
-    work varies by design: a first pass, a dual-cache block's full pass or an Elastic-Cache refresh computes a
-    sequence's length of rows, a steady step a window. And how many of its rows route their prompt's keys
+    computed (full-depth rows, summed over the batch) rounded up to a quarter of an octave (`work_class`). A dLLM
+    step's work varies by design: a first pass, a dual-cache block's full pass or an Elastic-Cache refresh computes
+    a sequence's length of rows, a steady step a window. And how many of its rows route their prompt's keys
     (`kv_routing`): a routed pass launches the routing kernels and replays no pass graph, so beside dense requests
     whose steady passes replay, a routed request's steps are eager by design. A stall (a compile, a capture, an
     eager step among replayed ones) is a step slower than the others of its work."""
@@ -122,8 +122,13 @@ class StepShape(NamedTuple):
 
 
 def work_class(query_rows: int) -> int:
-    """StepShape.query_rows of a step that computed `query_rows` rows: the power of two at or above."""
-    return 1 << max(0, query_rows - 1).bit_length()
+    """StepShape.query_rows of a step that computed `query_rows` rows: the next multiple of an eighth of the power
+    of two at or above (four classes an octave, e.g. 129-160, 161-192, 193-224, 225-256), so that steps of one
+    class differ by at most 1.25x in rows: Flash-Cache's steady window (144 rows) and a 64-token prompt's first
+    pass (192) are told apart, as a power of two (256 for both) did not."""
+    rows = max(query_rows, 1)
+    step = max((1 << (rows - 1).bit_length()) // 8, 1)
+    return -(-rows // step) * step
 
 
 class StepLog:
@@ -177,18 +182,19 @@ class StepTrace:
     enough to tell what made a step slow: when it ended (seconds after the first step), its wall seconds and the
     engine thread's CPU seconds in it (a step's wall beyond its CPU time is time the thread waited: for the GIL
     while the HTTP front runs Python, or in a sync that sleeps), how many garbage collections ran in it, its
-    StepShape, and the load (running and waiting requests, the running ones' positions: prompt + max_tokens)."""
+    StepShape, its exact query rows, and the load (running and waiting requests, the running ones' positions:
+    prompt + max_tokens)."""
 
     def __init__(self, path: str):
         self.file = open(path, "w", buffering=1)  # a line at a time: a killed server keeps what it traced
         self.origin: float | None = None
 
     def record(self, end: float, seconds: float, cpu_seconds: float, collections: int, shape: StepShape,
-               running: int, waiting: int, positions: int):
+               rows: int, running: int, waiting: int, positions: int):
         self.origin = end if self.origin is None else self.origin
         self.file.write(json.dumps(dict(t=round(end - self.origin, 6), seconds=round(seconds, 6),
                                         cpu_seconds=round(cpu_seconds, 6), collections=collections,
-                                        **shape._asdict(), running=running, waiting=waiting,
+                                        **shape._asdict(), rows=rows, running=running, waiting=waiting,
                                         positions=positions)) + "\n")
 
     def close(self):

@@ -54,6 +54,7 @@ class LLMEngine:
         self.batches: dict[tuple, RunningBatch] = {}  # by batch_key, in order of creation
         self.current: RunningBatch | None = None  # the one that stepped last
         self.last_step: StepShape | None = None   # its method, rows, work and routed rows
+        self.last_step_rows = 0                   # the query rows it computed (its work, exactly)
         self.allocator: CacheAllocator | None = None
         self.compactions = self.rows_moved = 0  # of the KV cache, and the rows they copied
         self.stop_ids = torch.tensor(special.stop_ids, device=self.device)
@@ -199,8 +200,8 @@ class LLMEngine:
         try:
             return self._run_step(method, batch, group)
         finally:  # the rows' query counts advance on the host, also where the step replays from a graph
-            self.last_step = StepShape(method.name, len(rows),
-                                       work_class(sum(row.query_rows for row in rows) - before),
+            self.last_step_rows = sum(row.query_rows for row in rows) - before
+            self.last_step = StepShape(method.name, len(rows), work_class(self.last_step_rows),
                                        sum(row.params.kv_routing is not None for row in rows))
 
     def _run_step(self, method, batch: DecodeBatch, group: RunningBatch) -> list[Sequence]:

@@ -461,7 +461,7 @@ def prometheus_text(replicas: list[tuple[str | None, Stats, bool]], throttled: i
            each(lambda s: s.collection_s_after_ready))
     metric("step_seconds_max", "gauge", "The longest engine step of the last minute.", each(lambda s: s.longest_step_s))
     metric("step_seconds_max_ratio", "gauge", "The largest ratio of a step of the last minute to the median step of "
-           "its method, batch size, query rows (to a power of two) and routed rows in that minute.",
+           "its method, batch size, query rows (to a quarter octave) and routed rows in that minute.",
            each(lambda s: s.longest_step_ratio))
     metric("step_seconds_max_ratio_steps", "gauge", "How many steps of that ratio's shape the last minute had (a median "
            "of a few is noisy).", each(lambda s: s.longest_step_ratio_steps))

@@ -282,7 +282,8 @@ class AsyncEngine:
 
     def _trace_step(self, end: float, seconds: float, cpu_seconds: float, collections: int):
         engine = self.engine
-        self.step_trace.record(end, seconds, cpu_seconds, collections, engine.last_step, engine.num_running,
+        self.step_trace.record(end, seconds, cpu_seconds, collections, engine.last_step, engine.last_step_rows,
+                               engine.num_running,
                                len(engine.scheduler.waiting), sum(seq.length for seq in engine.running))
 
     def _post_prefixes(self, streaming: list):
