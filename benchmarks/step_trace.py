@@ -60,7 +60,7 @@ def main():
     for step in sorted(steps, key=lambda s: -s["ratio"])[:args.top]:
         print(f"| {step['t']:.1f} | {step['ratio']:.2f} | {1e3 * step['seconds']:.1f} | "
               f"{1e3 * step['cpu_seconds']:.1f} | {1e3 * step['waited']:.1f} | {step['collections']} | "
-              f"{step['batch_size']} | {step['rows']} ({step['query_rows']}) | {step['routed_rows']} | "
+              f"{step['batch_size']} | {step.get('rows', '-')} ({step['query_rows']}) | {step['routed_rows']} | "
               f"{step['running']} | {step['waiting']} | {step['positions']} |")
     over = [step for step in steps if step["ratio"] > 1.5]
     rest = [step for step in steps if step["ratio"] <= 1.5]
