@@ -12,11 +12,10 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import statistics
 import time
 
-from flash_dllm.engine.counters import percentile
+from flash_dllm.engine.counters import percentile, work_class
 
 ALLOCATOR_EVENTS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams", "num_ooms")
 SINGLE = dict(methods=("flash-cache",), max_tokens=(128,), routings=(None, "chunk"))  # h200_mix.sh's SINGLE
@@ -184,36 +183,28 @@ def fit_step_times(data, answers):
     return (x @ coef).tolist()
 
 
-def quarter_octave(rows: int) -> float:
-    """The bin of `rows` with four bins per power of two: within one, the work varies by at most 1.19x."""
-    return round(4 * math.log2(max(rows, 1))) / 4
-
-
 def worst_steps(data):
-    """The worst step over the median of its shape, per 60 s of steps, with the engine's shapes (query rows to a
-    power of two) and with the exact query rows binned to a quarter of a power of two; the five worst steps."""
+    """The worst step over the median of its shape, per 60 s of steps (the engine's shapes, with the query rows
+    classed from the exact rows: a trace from before the quarter-octave classes is classed as today); the ten worst
+    steps, and the steps with and without each event."""
     steps, windows, clock, start = data["steps"], [], 0.0, 0
     for k, step in enumerate(steps):
         clock += step["seconds"]
         if clock >= 60 or k == len(steps) - 1:
             windows.append(range(start, k + 1))
             clock, start = 0.0, k + 1
-    fine = lambda s: (s["shape"][0], s["shape"][1], quarter_octave(s["query_rows"]), s["shape"][3])
-    print("\nworst step / median of its shape, per 60 s of steps")
-    print("| steps | power-of-two rows (the engine's) | quarter-octave rows |\n|---|---|---|")
+    shape = lambda s: (s["shape"][0], s["shape"][1], work_class(s["query_rows"]), s["shape"][3])
+    print("\nworst step / median of its shape, per 60 s of steps\n| steps | worst ratio |\n|---|---|")
     worst = []
     for window in windows:
-        ratios = []
-        for key in (lambda s: tuple(s["shape"]), fine):
-            by: dict[tuple, list] = {}
-            for k in window:
-                by.setdefault(key(steps[k]), []).append(k)
-            medians = {shape: statistics.median(steps[k]["seconds"] for k in ks) for shape, ks in by.items()}
-            per_step = {k: steps[k]["seconds"] / medians[shape] for shape, ks in by.items() for k in ks}
-            ratios.append(max(per_step.values()))
+        by: dict[tuple, list] = {}
+        for k in window:
+            by.setdefault(shape(steps[k]), []).append(k)
+        medians = {key: statistics.median(steps[k]["seconds"] for k in ks) for key, ks in by.items()}
+        per_step = {k: steps[k]["seconds"] / medians[key] for key, ks in by.items() for k in ks}
         worst += [(per_step[k], k) for k in window]
-        print(f"| {window.start}-{window.stop - 1} | {ratios[0]:.2f} | {ratios[1]:.2f} |")
-    print("\n| step | ratio (quarter-octave) | ms | batch | query rows | routed | batch changed | collections "
+        print(f"| {window.start}-{window.stop - 1} | {max(per_step.values()):.2f} |")
+    print("\n| step | ratio | ms | batch | query rows | routed | batch changed | collections "
           "(generation: ms) | allocator events |\n|---|---|---|---|---|---|---|---|---|")
     for ratio, k in sorted(worst, reverse=True)[:10]:
         step = steps[k]
@@ -221,7 +212,7 @@ def worst_steps(data):
         collected = " ".join(f"{g}: {1e3 * s:.1f}" for g, s in step.get("collections", []))
         print(f"| {k} | {ratio:.2f} | {1e3 * step['seconds']:.1f} | {step['shape'][1]} | {step['query_rows']} | "
               f"{step['shape'][3]} | {changed} | {collected} | {step.get('allocator', {}) or ''} |")
-    print("\nsteps with and without each event: how many, and their median ratio to their quarter-octave shape")
+    print("\nsteps with and without each event: how many, and their median ratio to their shape")
     print("| event | steps with | median ratio with | steps without | median ratio without |\n|---|---|---|---|---|")
     ratio_of = {k: ratio for ratio, k in worst}
     events = {"batch changed": lambda k: k > 0 and steps[k]["rows"] != steps[k - 1]["rows"],
