@@ -176,7 +176,6 @@ def step_ratios(steps: list[tuple[float, StepShape]]) -> dict[StepShape, tuple[i
     return out
 
 
-
 class StepTrace:
     """Every engine step as one JSON line (`serve --step-trace PATH`), for when /metrics' longest step is not
     enough to tell what made a step slow: when it ended (seconds after the first step), its wall seconds and the
@@ -204,6 +203,7 @@ class StepTrace:
 def collections_so_far() -> int:
     """Garbage collections of any generation in this process so far."""
     return sum(generation["collections"] for generation in gc.get_stats())
+
 
 # The hook into Python's garbage collector.
 
