@@ -8,9 +8,9 @@ import sys
 import time
 from pathlib import Path
 
+from .cache.routing import POLICIES
 from .decoding.registry import DEFAULT_METHOD, METHODS, method_of
 from .engine.warmup import STEADY_BATCH_SIZES
-from .cache.routing import POLICIES
 from .models.quantization import KV_CACHE_DTYPES, QUANTIZATIONS, kv_dtype_of
 from .sampling_params import DEFAULT_KV_BUDGET, SamplingParams, knobs
 from .tasks import RETRIEVAL_TASKS, TASKS

@@ -188,7 +188,7 @@ SUMMARY_HEADER = ("requests", "errors", "wall s", "requests/s", "tokens/s", "com
                   "longest step / median of its shape", "running p10/p50/p90", "waiting p10/p50/p90",
                   "KV cache use p10/p50/p90")
 MINUTE_HEADER = ("minute of arrival", "requests", "e2e / shape p50: p50", "p90", "max", "over 1.3x")
-STEP_HEADER = ("method", "batch size", "query rows (to a power of 2)", "routed rows", "steps", "median step ms",
+STEP_HEADER = ("method", "batch size", "query rows (to a quarter octave)", "routed rows", "steps", "median step ms",
                "longest / median")
 
 

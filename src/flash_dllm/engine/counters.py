@@ -181,18 +181,25 @@ class StepTrace:
     enough to tell what made a step slow: when it ended (seconds after the first step), its wall seconds and the
     engine thread's CPU seconds in it (a step's wall beyond its CPU time is time the thread waited: for the GIL
     while the HTTP front runs Python, or in a sync that sleeps), how many garbage collections ran in it, its
-    StepShape, its exact query rows, and the load (running and waiting requests, the running ones' positions:
-    prompt + max_tokens)."""
+    StepShape, its exact query rows, and the load (running and waiting requests after it, and the positions of the
+    sequences it stepped: prompt + max_tokens)."""
 
     def __init__(self, path: str):
         self.file = open(path, "w", buffering=1)  # a line at a time: a killed server keeps what it traced
         self.origin: float | None = None
+        self.cpu_start, self.collections = 0.0, 0  # at the step's start (`begin`)
 
-    def record(self, end: float, seconds: float, cpu_seconds: float, collections: int, shape: StepShape,
-               rows: int, running: int, waiting: int, positions: int):
+    def begin(self):
+        """Called as a step starts: the engine thread's CPU clock and the collections so far."""
+        self.cpu_start, self.collections = time.thread_time(), _collections_so_far()
+
+    def record(self, end: float, seconds: float, shape: StepShape, rows: int, running: int, waiting: int,
+               positions: int):
+        """The step begun last, as it ends at `end` after `seconds`."""
         self.origin = end if self.origin is None else self.origin
         self.file.write(json.dumps(dict(t=round(end - self.origin, 6), seconds=round(seconds, 6),
-                                        cpu_seconds=round(cpu_seconds, 6), collections=collections,
+                                        cpu_seconds=round(time.thread_time() - self.cpu_start, 6),
+                                        collections=_collections_so_far() - self.collections,
                                         **shape._asdict(), rows=rows, running=running, waiting=waiting,
                                         positions=positions)) + "\n")
 
@@ -200,7 +207,7 @@ class StepTrace:
         self.file.close()
 
 
-def collections_so_far() -> int:
+def _collections_so_far() -> int:
     """Garbage collections of any generation in this process so far."""
     return sum(generation["collections"] for generation in gc.get_stats())
 

@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..engine.counters import ReadyMark, StepLog, StepTrace, collections_so_far
+from ..engine.counters import ReadyMark, StepLog, StepTrace
 from ..engine.sequence import Sequence
 from ..llm import LLM
 from ..sampling_params import SamplingParams
@@ -252,13 +252,14 @@ class AsyncEngine:
                 self._wakeup.clear()
                 continue
             try:
-                start, cpu_start, collections = time.perf_counter(), time.thread_time(), collections_so_far()
+                if self.step_trace is not None:
+                    self.step_trace.begin()
+                start = time.perf_counter()
                 finished = self.engine.step()
                 end = time.perf_counter()
                 self.step_log.record(end - start, self.engine.last_step, end)
                 if self.step_trace is not None:
-                    self._trace_step(end, end - start, time.thread_time() - cpu_start,
-                                     collections_so_far() - collections)
+                    self._trace_step(end, end - start)
                 streaming = [(seq, *self._active[seq]) for seq in self.engine.running
                              if not seq.is_finished and seq in self._active and self._active[seq][0].stream]
                 self._post_prefixes(streaming)
@@ -280,10 +281,9 @@ class AsyncEngine:
                 self._post(request, loop, Finished(seq))
             self._update_gauges()
 
-    def _trace_step(self, end: float, seconds: float, cpu_seconds: float, collections: int):
+    def _trace_step(self, end: float, seconds: float):
         engine = self.engine
-        self.step_trace.record(end, seconds, cpu_seconds, collections, engine.last_step, engine.last_step_rows,
-                               engine.num_running,
+        self.step_trace.record(end, seconds, engine.last_step, engine.last_step_rows, engine.num_running,
                                len(engine.scheduler.waiting), sum(seq.length for seq in engine.running))
 
     def _post_prefixes(self, streaming: list):

@@ -237,6 +237,7 @@ def replica_trace_path(path: str | None, index: int, replicas: int) -> str | Non
     where = Path(path)
     return str(where.with_name(f"{where.stem}.replica{index}{where.suffix}"))
 
+
 class ReplicaPool:
     """The HTTP front's engine client over data-parallel replicas (AsyncEngine's interface).
 
