@@ -22,7 +22,6 @@ worst shape p99/p50 beside the model's: what of the measured spread the load and
 from __future__ import annotations
 
 import argparse
-
 import itertools
 import statistics
 
