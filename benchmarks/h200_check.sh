@@ -6,7 +6,7 @@
 set -u
 export PYTHONPATH=$PWD/src
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-source "$(dirname "$0")/steps.sh"
+source "$(dirname "$0")/lib.sh"
 step gpu_tests 240 python -m pytest -q -p no:cacheprovider tests/engine tests/kernels tests/decoding/test_elastic.py
 step graphs_vs_eager 120 python - <<'PY'
 from flash_dllm import LLM, SamplingParams

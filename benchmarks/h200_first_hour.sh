@@ -9,7 +9,7 @@
 #       bash benchmarks/h200_first_hour.sh
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-source "$(dirname "$0")/steps.sh"
+source "$(dirname "$0")/lib.sh"
 if [ -n "${WHEELS:-}" ]; then  # the server's packages (the GPU image has no FastAPI/uvicorn)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
       "$WHEELS"/*.whl && export PYTHONPATH=/tmp/site

@@ -10,7 +10,7 @@
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src
-source "$(dirname "$0")/steps.sh"
+source "$(dirname "$0")/lib.sh"
 gen() {  # gen NAME SECONDS BATCH [OPTIONS...]: the three methods of the speed targets
   local name=$1 limit=$2 batch=$3; shift 3
   TAIL=5 step "$name" "$limit" python -m flash_dllm.cli bench generate --batch-sizes "$batch" \

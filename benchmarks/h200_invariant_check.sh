@@ -8,7 +8,7 @@
 set -u
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-source "$(dirname "$0")/steps.sh"
+source "$(dirname "$0")/lib.sh"
 TAIL=${TAIL:-14}
 no_index_kernel() { grep -v IndexKernel; }  # the logs without their IndexKernel lines
 FILTER=no_index_kernel

@@ -41,7 +41,7 @@
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}  # carried wheels (serve) stay on the path
-source "$(dirname "$0")/steps.sh"
+source "$(dirname "$0")/lib.sh"
 FILTER="grep -v variant/s"
 # random LLaDA-8B holds 4,096 positions: prompt + max_tokens stay within them
 MIX="--rate ${RATE:-3} --requests ${REQUESTS:-300} --mix-prompt-lengths 64 256 1024 3584 --mix-max-tokens ${MIX_MAX_TOKENS:-32 128 512}"
@@ -50,10 +50,7 @@ serve_and_mix() {  # serve_and_mix NAME: start a server, time it to ready, run t
   PYTHONPATH=${SERVE_SRC:+$SERVE_SRC:}$PYTHONPATH python -m flash_dllm.cli serve --model random:llada-8b --method flash-cache --max-batch 32 --port 8123 ${SERVE_ARGS:-} \
       > "$OUT/${name}_server.txt" 2>&1 &
   local pid=$!
-  until curl -sf localhost:8123/health > /dev/null; do
-    sleep 1; kill -0 $pid 2> /dev/null || { echo "server died"; tail "$OUT/${name}_server.txt"; return; }
-    [ $((SECONDS - start)) -gt 300 ] && { echo "not ready in 300 s"; kill $pid; return; }
-  done
+  wait_ready $pid "$OUT/${name}_server.txt" 300 || { kill $pid 2> /dev/null; return; }
   echo "## ${name}: ready after $((SECONDS - start)) s"
   curl -s localhost:8123/metrics > "$OUT/${name}_metrics_ready.txt"
   [ "${MIX_RUN:-1}" = 1 ] && TAIL=30 step "${name}_mix" "${MIX_S:-420}" python -m flash_dllm.cli bench serve \

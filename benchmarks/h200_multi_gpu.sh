@@ -10,7 +10,7 @@ set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 GPUS=$(python -c "import torch; print(torch.cuda.device_count())")
-source "$(dirname "$0")/steps.sh"
+source "$(dirname "$0")/lib.sh"
 TAIL=${TAIL:-6}
 case "${PART:-tp}" in
 tp)
@@ -27,11 +27,7 @@ dp)
     python -m flash_dllm.cli serve --port 8123 --model random:llada-8b --method flash-cache --max-tokens 256 \
         --block-length 32 --max-batch 32 --data-parallel-size "$dp" > "$OUT/server_dp$dp.txt" 2>&1 &
     pid=$!
-    for i in $(seq 300); do
-      python -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8123/health')" 2>/dev/null && break
-      kill -0 $pid 2>/dev/null || break; sleep 1
-    done
-    echo "dp $dp: ready after ${i} s"
+    wait_ready $pid "$OUT/server_dp$dp.txt" 300 && echo "dp $dp: ready after ${READY_S} s"
     step "serve_dp$dp" 200 python -m flash_dllm.cli bench serve --url http://127.0.0.1:8123 --clients $((64 * dp)) \
         --duration 60 --prompts random --num-prompts 64
     kill -INT $pid; wait $pid

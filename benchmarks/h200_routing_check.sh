@@ -13,7 +13,7 @@ PART=${PART:-all}
 PYTHONPATH=$PWD/src python -c "
 import json; from flash_dllm.config import PRESETS
 json.dump({**PRESETS['llada-8b'], 'max_sequence_length': 40960}, open('/tmp/long/config.json', 'w'))"
-source "$(dirname "$0")/steps.sh"
+source "$(dirname "$0")/lib.sh"
 TAIL=${TAIL:-12}
 if [ "$PART" != bench ]; then
   # a kernel that does not compile on the GPU makes every benchmark below fail: stop here instead

@@ -11,7 +11,7 @@
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 PART=${PART:-tests,tokens,bench}
-source "$(dirname "$0")/steps.sh"
+source "$(dirname "$0")/lib.sh"
 base=/tmp/base_tree
 if [ -n "${BASE:-}" ]; then
   rm -rf $base && mkdir -p $base && tar -xf "$BASE" -C $base

@@ -5,16 +5,13 @@
 # SERVE_ARGS replaces the server's flags, PROMPT_LENGTH the prompts' length; OFFLINE=0 skips the offline run
 # (which decodes the default setting).
 set -u
+source "$(dirname "$0")/lib.sh"
 out=${1:-.}; clients=${2:-64}; duration=${3:-60}
 serve_args=${SERVE_ARGS:-"--model random:llada-8b --method flash-cache --max-tokens 256 --block-length 32 --max-batch 32"}
 python -m flash_dllm.cli serve --port 8123 $serve_args > "$out/server.log" 2>&1 &
 pid=$!
-for i in $(seq 240); do
-  kill -0 $pid 2>/dev/null || { tail -5 "$out/server.log"; exit 1; }
-  python -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8123/health')" 2>/dev/null && break
-  sleep 1
-done
-echo "server up after ${i} s"
+wait_ready $pid "$out/server.log" 240 || { kill $pid 2> /dev/null; exit 1; }
+echo "server up after ${READY_S} s"
 python -m flash_dllm.cli bench serve --url http://127.0.0.1:8123 --clients "$clients" --duration "$duration" \
   --prompts random --num-prompts 32 --prompt-length "${PROMPT_LENGTH:-256}" > "$out/bench_serve.md" 2> "$out/bench_serve.err"
 python -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:8123/metrics').read().decode())" > "$out/metrics.txt"

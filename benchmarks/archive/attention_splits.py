@@ -5,7 +5,7 @@ difference of the two outputs. Routed cases read 1/8 of the keys (random 32-key 
 and split as if there were no key mass: whether a routed Flash-Cache step (64 rows with the key mass, one row tile
 per head: 32 programs at batch 1) should split below SPLIT_MIN_KEYS_WITH_MASS.
 
-    PYTHONPATH=src python benchmarks/attention_splits.py
+    PYTHONPATH=src:benchmarks python benchmarks/archive/attention_splits.py
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 from flash_dllm.cache.attention_metadata import AttentionMetadata, cu_seqlens
 from flash_dllm.kernels.flash_attention import flash_attention, launch_config, num_splits, routed_keys
-from gemm_rows import timed_us  # benchmarks/: the CUDA-graph timing the benchmarks share
+from gemm_rows import timed_us  # benchmarks/ (on PYTHONPATH): the CUDA-graph timing the benchmarks share
 
 HEADS, HEAD_DIM, REPLAYS = 32, 128, 50
 # (requests, query rows per request, keys per request, key mass, routed)

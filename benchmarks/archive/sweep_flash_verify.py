@@ -1,7 +1,7 @@
 """Flash-Verify's accuracy / tokens-per-iteration trade-off on arith over (beta_t, gamma), against
 parallel and flash-cache at the same threshold, on the embedded model.
 
-    python benchmarks/sweep_flash_verify.py --items 100 --device cpu --out benchmarks/sweep_flash_verify
+    python benchmarks/archive/sweep_flash_verify.py --items 100 --device cpu --out benchmarks/archive/sweep_flash_verify
 writes OUT.md (table) and OUT.png (plot).
 """
 import argparse
@@ -19,7 +19,7 @@ def main():
     parser.add_argument("--device", default=None)
     parser.add_argument("--tracking-budgets", type=int, nargs="+", default=[16, 48, 80])
     parser.add_argument("--gammas", type=float, nargs="+", default=[0.5, 0.7, 0.8, 0.9])
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/sweep_flash_verify"))
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/archive/sweep_flash_verify"))
     args = parser.parse_args()
     llm = LLM(device=args.device)
     items = load_test_set("arith")[:args.items]

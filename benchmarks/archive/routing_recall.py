@@ -9,7 +9,7 @@ occurrences in the needle) that is kept.
 Policies: centroid (k-means regions scored by their mean key), kmeans-bound (the same regions scored by their
 per-dimension bounds), chunk (chunks scored by their bounds), window (the last keys), random (random chunks).
 
-    PYTHONPATH=src python benchmarks/routing_recall.py --lengths 1024 1900 --items 40 --budgets 0.125 0.0625
+    PYTHONPATH=src python benchmarks/archive/routing_recall.py --lengths 1024 1900 --items 40 --budgets 0.125 0.0625
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """GPU correctness of the foundation: the model and the decoders on CUDA against the CPU float32 path.
 
-    PYTHONPATH=src python benchmarks/gpu_check.py
+    PYTHONPATH=src python benchmarks/archive/gpu_check.py
 """
 import json
 import pathlib

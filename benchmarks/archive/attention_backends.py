@@ -4,7 +4,7 @@ lengths), at LLaDA-8B's heads (32 x 128, bf16), each timed as 50 launches replay
 question: at batch 32 our kernel took 0.35-0.48 ms a layer where SDPA took 0.18-0.19; is a vendor kernel over the
 cache layout (with our key-mass sweep from its log-sum-exp) the faster path for plain passes?
 
-    PYTHONPATH=src python benchmarks/attention_backends.py
+    PYTHONPATH=src:benchmarks python benchmarks/archive/attention_backends.py
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from flash_dllm.cache.attention_metadata import AttentionMetadata, cu_seqlens
 from flash_dllm.kernels.attention import ragged_attention_ref
 from flash_dllm.kernels.flash_attention import flash_attention
-from gemm_rows import timed_us  # benchmarks/: the CUDA-graph timing the benchmarks share
+from gemm_rows import timed_us  # benchmarks/ (on PYTHONPATH): the CUDA-graph timing the benchmarks share
 
 HEADS, HEAD_DIM, REPLAYS, GAP = 32, 128, 50, 96
 # (requests, query rows per request, keys per request): Flash-Cache, Dual-Cache, Flash-Verify's draft and verify

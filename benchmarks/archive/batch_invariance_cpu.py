@@ -1,7 +1,7 @@
 """Batch invariance on the CPU: each method's tokens for 16 prompts alone against one batch of 32, in the default mode
 and with batch_invariant=True, and the batch-32 generate time of each (random LLaDA-tiny weights, bf16).
 
-    PYTHONPATH=src python benchmarks/batch_invariance_cpu.py
+    PYTHONPATH=src python benchmarks/archive/batch_invariance_cpu.py
 """
 import time
 

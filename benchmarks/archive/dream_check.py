@@ -1,7 +1,7 @@
 """Dream on the GPU: its logits against the CPU float32 path, and every cached method's tokens with the Triton
 kernels against the same method on their PyTorch references (random Dream weights, float32).
 
-    PYTHONPATH=src python benchmarks/dream_check.py [--model random:dream-7b] [--device cuda]
+    PYTHONPATH=src python benchmarks/archive/dream_check.py [--model random:dream-7b] [--device cuda]
 """
 import argparse
 import json

@@ -2,7 +2,7 @@
 the regions' summaries and the region-ordered layout, at LLaDA-8B's KV heads (32 x 128, bf16) and one request of
 P prompt keys; each part timed eagerly (as a rebuild runs) with CUDA events, the median of 5 after a warm-up.
 
-    PYTHONPATH=src python benchmarks/kmeans_rebuild.py --prompt-lengths 4096 8192 16384
+    PYTHONPATH=src python benchmarks/archive/kmeans_rebuild.py --prompt-lengths 4096 8192 16384
 """
 from __future__ import annotations
 
