@@ -1,9 +1,11 @@
 """An OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
 
-Every request is checked before it reaches the engine: malformed JSON, wrong types, out-of-range values,
+Every request is checked before it reaches the engine: a body over --max-request-bytes is a 413 (never read
+whole), a Content-Type other than application/json a 415; malformed JSON, wrong types, out-of-range values,
 unknown methods or fields and prompts that can never fit are a 400 naming the culprit; beyond the queue's
-bound a 429 with Retry-After. Accepted requests share one engine loop (serve/async_engine.py), or with
-data parallelism go to the least busy of several replicas, each a process with its own engine loop
+bound a 429 with Retry-After. Prompts are tokenised on a worker thread: a long one never stalls the event loop
+(/health, the other requests' streams). Accepted requests share one engine loop (serve/async_engine.py), or
+with data parallelism go to the least busy of several replicas, each a process with its own engine loop
 (serve/replicas.py).
 
 The server listens while it starts: until the KV cache is allocated and the kernels are compiled (`start_up`,
@@ -43,6 +45,14 @@ if TYPE_CHECKING:
 log = logging.getLogger("flash_dllm.serve")
 DISCONNECT_POLL_S = 0.5  # how often a waiting request asks whether its client is still there
 STARTING_RETRY_AFTER_S = 5  # a cold start compiles for 10-20 s (H200)
+# A prompt of the longest context we serve (Dream: 131,072 tokens) at 32 bytes a token, the most a real prompt
+# takes in JSON: a token of non-Latin text is 1-3 characters, each a 6-byte \uXXXX escape (12 beyond the BMP) from
+# json.dumps' default; English takes ~5 bytes a token, a token-id list at most 8 ("126336, ").
+MAX_REQUEST_BYTES = 131_072 * 32  # 4 MiB
+# A token covers at most its vocabulary entry's characters (a byte-level entry has a character per byte, a
+# sentencepiece one a U+2581 per space), after a normalizer that may merge up to 4 characters into one (NFC: U+1FAF
+# is an omega and 3 marks).
+NORMALIZER_MERGE = 4
 
 
 @dataclass(frozen=True)
@@ -52,10 +62,13 @@ class ServeConfig:
     max_queue: int = 256           # requests waiting beyond the running batch before 429
     api_key: str | None = None     # required as "Authorization: Bearer KEY" on /v1/* when set
     step_trace: str | None = None  # a file for every engine step (engine/counters.StepTrace)
+    max_request_bytes: int = MAX_REQUEST_BYTES  # a larger request body is a 413
 
     def __post_init__(self):
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+        if self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
 
 
 class APIError(Exception):
@@ -74,6 +87,43 @@ def validation_message(error: RequestValidationError) -> str:
     if first.get("type") == "json_invalid":
         return f"the request body is not valid JSON ({first.get('ctx', {}).get('error', first['msg'])})"
     return f"{where or 'body'}: {first['msg']}"
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes is a 413 and is never held whole. A Content-Length over
+    the limit is refused before the app runs; a chunked body as soon as the bytes read pass the limit."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    def message(self, size: str) -> str:
+        return f"the request body{size} is over the server's limit of {self.limit} bytes (--max-request-bytes)"
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")  # the server has checked that it is a number
+        if declared is not None and int(declared) > self.limit:
+            return await error_response(413, self.message(f" of {int(declared)} bytes"))(scope, receive, send)
+        received = 0
+
+        async def counted_receive():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.limit:  # FastAPI re-raises an HTTPException from reading the body: our 413 handler
+                raise StarletteHTTPException(413, self.message(""))
+            return message
+
+        await self.app(scope, counted_receive, send)
+
+
+def max_prompt_chars(tokenizer, context: int) -> int | None:
+    """More characters than this can never fit `context` tokens (None without a tokenizer): a check that needs no
+    tokenising."""
+    if tokenizer is None:
+        return None
+    return context * max(map(len, tokenizer.get_vocab())) * NORMALIZER_MERGE
 
 
 class TextStream:
@@ -161,6 +211,7 @@ def build_app(llm: LLM, config: ServeConfig, start_up: Callable[[], None] | None
         engine.shutdown()
 
     app = FastAPI(title="flash-dllm", lifespan=lifespan)
+    app.add_middleware(BodyLimit, limit=config.max_request_bytes)
     app.state.engine = engine
     capacity = engine.max_batch_size + config.max_queue
     in_flight = {"requests": 0, "throttled": 0}
@@ -186,10 +237,39 @@ def build_app(llm: LLM, config: ServeConfig, start_up: Callable[[], None] | None
             raise APIError(404, f"model {body.model!r} does not exist; this server serves {config.model_name!r}",
                            "not_found_error")
 
-    def encode_completion(prompt) -> list[int]:
-        if not prompt:
-            raise ValueError("the prompt is empty")
-        return llm.encode(prompt, chat_template=False)  # completions take raw text
+    def check_json(http: HTTPRequest):
+        media_type = http.headers.get("content-type", "").split(";")[0].strip().lower()
+        if media_type != "application/json":  # as vLLM: 415, not a validation error about the unparsed bytes
+            sent = f"got {media_type!r}" if media_type else "the request has none"
+            raise APIError(415, f"Content-Type must be application/json; {sent}")
+
+    most_chars = max_prompt_chars(llm.tokenizer, llm.config.max_position)
+
+    def check_length(chars: int):
+        if most_chars is not None and chars > most_chars:
+            raise ValueError(f"the prompt is {chars} characters: more than the model's context of "
+                             f"{llm.config.max_position} tokens can hold (at most {most_chars} characters)")
+
+    def encode_completions(prompts: list) -> list[list[int]]:
+        """Each prompt's token ids, a 400 naming the first that fails (on a worker thread: tokenising is slow)."""
+        encoded = []
+        for index, prompt in enumerate(prompts):
+            try:
+                if not prompt:
+                    raise ValueError("the prompt is empty")
+                if isinstance(prompt, str):
+                    check_length(len(prompt))
+                encoded.append(llm.encode(prompt, chat_template=False))  # completions take raw text
+            except ValueError as error:
+                raise APIError(400, (f"prompt {index}: " if len(prompts) > 1 else "") + str(error)) from None
+        return encoded
+
+    def encode_chat(messages: list[dict]) -> list[int]:
+        try:
+            check_length(sum(len(message["content"]) for message in messages))
+            return llm.encode(messages)
+        except ValueError as error:
+            raise APIError(400, str(error)) from None
 
     def admit(body: CommonRequest, prompts: list[list[int]]) -> list[Request]:
         """Checked requests for the engine (400 on a bad one), within the queue's bound (429 beyond it)."""
@@ -351,29 +431,21 @@ def build_app(llm: LLM, config: ServeConfig, start_up: Callable[[], None] | None
 
     api = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
 
-    @api.post("/completions")
+    @api.post("/completions", dependencies=[Depends(check_json)])
     async def completions(body: CompletionRequest, http: HTTPRequest):
-        prompts = []
-        for index, prompt in enumerate(body.prompts):
-            try:
-                prompts.append(encode_completion(prompt))
-            except ValueError as error:
-                raise APIError(400, (f"prompt {index}: " if len(body.prompts) > 1 else "") + str(error)) from None
+        prompts = await asyncio.to_thread(encode_completions, body.prompts)
         echo = None
-        if body.echo:
-            echo = [p if isinstance(p, str) else llm.decode(p) for p in body.prompts]
+        if body.echo:  # decoding a long token-id prompt is slow too
+            echo = await asyncio.to_thread(lambda: [p if isinstance(p, str) else llm.decode(p) for p in body.prompts])
         return await respond(http, body, prompts, chat=False, echo=echo)
 
-    @api.post("/chat/completions")
+    @api.post("/chat/completions", dependencies=[Depends(check_json)])
     async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
         if not body.messages:
             raise APIError(400, "messages is empty")
         if llm.tokenizer is None or not getattr(llm.tokenizer, "chat_template", None):
             raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions")
-        try:
-            prompt = llm.encode([message.as_dict() for message in body.messages])
-        except ValueError as error:
-            raise APIError(400, str(error)) from None
+        prompt = await asyncio.to_thread(encode_chat, [message.as_dict() for message in body.messages])
         return await respond(http, body, [prompt], chat=True)
 
     @api.get("/models")
