@@ -1,5 +1,6 @@
 """Model configuration: one architecture-neutral dataclass (each architecture parses its config.json into it,
-models/loader.py picks the parser by model_type), and named presets for random-weight models."""
+models/loader.py picks the architecture by model_type and `architectures`), the attention pattern it declares, and
+named presets for random-weight models."""
 from __future__ import annotations
 
 import json
@@ -39,11 +40,36 @@ PRESETS["dream-tiny"] = {
 }
 
 
+ATTENTION_KINDS = ("bidirectional", "block-causal")
+
+
+@dataclass(frozen=True)
+class AttentionPattern:
+    """Which keys a position attends to in the model's forward. "bidirectional": every position of its sequence;
+    "block-causal": the sequence cut into blocks of `block_size` positions from position 0, a position sees its own
+    block and every block before it."""
+
+    kind: str = "bidirectional"
+    block_size: int | None = None
+
+    def __post_init__(self):
+        if self.kind not in ATTENTION_KINDS:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTION_KINDS)}, got {self.kind!r}")
+        blocks = self.kind == "block-causal"
+        if blocks != (self.block_size is not None) or (blocks and self.block_size <= 0):
+            raise ValueError(f"{self.kind} attention takes {'a positive' if blocks else 'no'} block_size, "
+                             f"got {self.block_size!r}")
+
+    def __str__(self) -> str:
+        return self.kind if self.block_size is None else f"{self.kind} (blocks of {self.block_size})"
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """Everything the forward pass needs to know about a model; never modified after parsing."""
+    """Everything the forward pass needs to know about a model; never modified after parsing. An architecture with
+    settings of its own (experts, ...) subclasses it in its module, its fields with defaults."""
 
-    architecture: str  # the model_type whose class builds the model
+    architecture: str  # the name of the class that builds the model (models/loader.py: ARCHITECTURES)
     hidden_size: int
     num_layers: int
     num_heads: int
@@ -62,6 +88,11 @@ class ModelConfig:
     eos_token_id: int | None
     pad_token_id: int | None
     bos_token_id: int | None
+    attention: AttentionPattern = AttentionPattern()
+    # The architecture's names of its tokenizer's mask and end-of-turn tokens, for the ids that config.json and the
+    # tokenizer's own settings do not give (tokenizer.special_tokens).
+    mask_token: str | None = None
+    end_of_turn_tokens: tuple[str, ...] = ()
 
     def __post_init__(self):
         for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",

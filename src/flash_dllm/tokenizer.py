@@ -1,4 +1,6 @@
-"""Tokenizer and special token ids, both read from the checkpoint directory."""
+"""Tokenizer and special token ids, both read from the checkpoint directory (the architecture names its special
+tokens where neither config.json nor the tokenizer's settings give their ids: ModelConfig.mask_token,
+end_of_turn_tokens)."""
 from __future__ import annotations
 
 import json
@@ -6,10 +8,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import ModelConfig
-
-# The end of a chat turn in LLaDA's template and in Qwen's (Dream); their ids come from the tokenizer.
-END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>")
-MASK_TOKEN = "<|mdm_mask|>"
 
 
 @dataclass(frozen=True)
@@ -35,12 +33,16 @@ def load_tokenizer(path: Path | None, vocab_merges_class: str | None = None):
 
 
 def special_tokens(cfg: ModelConfig, path: Path | None, tokenizer) -> SpecialTokens:
+    """The mask id: config.json's, else the tokenizer's mask token, else the architecture's mask token in its
+    vocabulary. The stop ids: config.json's eos, the architecture's end-of-turn tokens, the tokenizer's eos and
+    generation_config.json's eos."""
     vocab = tokenizer.get_vocab() if tokenizer is not None else {}
-    mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else vocab.get(MASK_TOKEN)
+    mask_id = next((i for i in (cfg.mask_token_id, getattr(tokenizer, "mask_token_id", None),
+                                vocab.get(cfg.mask_token)) if i is not None), None)
     if mask_id is None:
-        raise ValueError("no mask token id: config.json has no mask_token_id and the tokenizer has no "
-                         f"{MASK_TOKEN} token")
-    stops = [cfg.eos_token_id, *(vocab.get(token) for token in END_OF_TURN_TOKENS)]
+        named = f" or a {cfg.mask_token} token" if cfg.mask_token else ""
+        raise ValueError(f"no mask token id: config.json has no mask_token_id and the tokenizer no mask_token{named}")
+    stops = [cfg.eos_token_id, *(vocab.get(token) for token in cfg.end_of_turn_tokens)]
     if tokenizer is not None:
         stops.append(tokenizer.eos_token_id)
     generation_config = path / "generation_config.json" if path is not None else None

@@ -10,6 +10,7 @@ import torch
 
 from flash_dllm import LLM, SamplingParams
 from flash_dllm.cli import main
+from flash_dllm.config import ATTENTION_KINDS
 from flash_dllm.decoding.base import Settings, check, knob
 from flash_dllm.decoding.block import BlockMethod
 from flash_dllm.decoding.registry import METHODS, register
@@ -91,3 +92,10 @@ def test_knobs_belong_to_their_methods(left_to_right):
         register(LeftToRight)
     params = SamplingParams(method=left_to_right)
     assert params.settings == LeftToRightSettings() and params.to_dict()["tokens_per_step"] == 1
+
+
+def test_cached_methods_declare_bidirectional_attention_only():
+    """A cached pass reads each request's whole cache range, whatever the model's attention pattern: a method that
+    runs one admits a block-causal model only once its passes follow the blocks (a full forward already does)."""
+    for method in METHODS.values():
+        assert method.attention_patterns == (("bidirectional",) if method.uses_cache else ATTENTION_KINDS), method.name

@@ -180,7 +180,7 @@ def test_round_trip_gives_identical_logits(tmp_path):
 
 def test_dream_7b_config():
     cfg = parse_config(PRESETS["dream-7b"])
-    assert (cfg.architecture, cfg.hidden_size, cfg.head_dim, cfg.vocab_size) == ("Dream", 3584, 128, 152064)
+    assert (cfg.architecture, cfg.hidden_size, cfg.head_dim, cfg.vocab_size) == ("DreamModel", 3584, 128, 152064)
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.num_layers, cfg.intermediate_size) == (28, 4, 28, 18944)
     assert (cfg.rope_theta, cfg.rms_norm_eps) == (1e6, 1e-6)
     assert (cfg.mask_token_id, cfg.eos_token_id, cfg.pad_token_id) == (151666, 151643, 151643)
@@ -203,7 +203,7 @@ def test_info_prints_dream_7b_parameters(capsys):
     assert main(["info", "--model", "random:dream-7b", "--dtype", "bfloat16"]) == 0
     out = capsys.readouterr().out
     assert f"parameters: {DREAM_7B_PARAMETERS:,}" in out and "KV cache per token: 57,344 bytes" in out
-    assert "architecture: Dream" in out
+    assert "architecture: DreamModel" in out
 
 
 # ----------------------------------------------------------------------------- bad checkpoints
@@ -228,7 +228,8 @@ def remove_tensor(name):
 K1 = "model.layers.1.self_attn.k_proj.bias"
 BAD_CHECKPOINTS = {
     "unknown model_type": (set_config(model_type="qwen2"),
-                           "config.json: model_type 'qwen2' is not supported (supported: 'llada', 'Dream')"),
+                           "config.json: model_type 'qwen2' is not supported (supported: 'llada' (LLaDAModelLM), "
+                           "'Dream' (DreamModel))"),
     "missing bias": (remove_tensor(K1), f"checkpoint is missing tensors: {K1}"),
     "vocab mismatch": (set_config(vocab_size=400), "tensor 'model.embed_tokens.weight' has shape [320, 64], "
                                                    "but config.json implies [400, 64]"),

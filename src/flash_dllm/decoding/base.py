@@ -107,6 +107,11 @@ class DecodingMethod:
     # Its passes give each column j whose logits it needs the hidden state of column j - logit_shift, so it runs
     # on an architecture with shifted logits (Dream). The engine refuses the others on such a model.
     handles_logit_shift: ClassVar[bool] = False
+    # The models' attention patterns (config.ATTENTION_KINDS) it decodes exactly. A cached pass attends
+    # bidirectionally over each request's cache range; a full forward follows the model's pattern, so the methods of
+    # full forwards declare every kind (a cached method that subclasses one declares its own). The engine refuses the
+    # others on a model of another pattern.
+    attention_patterns: ClassVar[tuple[str, ...]] = ("bidirectional",)
     # `flash-dllm demo`'s rows: label -> settings (default: one row, the method's defaults).
     demo_variants: ClassVar[dict[str, dict] | None] = None
     replayable: ClassVar[bool] = False  # its step is `plan` + `run`, and `run` has no host read

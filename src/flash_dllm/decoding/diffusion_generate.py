@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..config import ATTENTION_KINDS
 from .base import DecodingMethod, Settings, check, knob
 from .sampling import NOISE_STREAM, REMASK_STREAM, counter_uniform, gumbel_noise
 from .transfer import transfer_top_k
@@ -125,6 +126,7 @@ class Dream(DecodingMethod):
     Settings = DreamSettings
     uses_blocks = False
     handles_logit_shift = True  # full forwards: the runner's logits_at applies the shift
+    attention_patterns = ATTENTION_KINDS  # full forwards, under the model's pattern
 
     def step(self, runner: ModelRunner, batch: DecodeBatch):
         settings, start = batch.params.settings, batch.gen_start

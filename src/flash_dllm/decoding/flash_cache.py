@@ -84,6 +84,7 @@ class FlashCache(Parallel):
     handles_logit_shift = True  # the window's logit sources rank first among its queries
     Settings = FlashCacheSettings
     uses_cache = True
+    attention_patterns = ("bidirectional",)  # its cached passes read each request's whole range
     published_block_length = 16
     demo_variants = None
     replayable = True

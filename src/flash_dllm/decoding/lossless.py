@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..config import ATTENTION_KINDS
 from .base import DecodingMethod, Settings, check, knob
 from .sampling import NOISE_STREAM, gumbel_noise, sample_tokens
 from .transfer import confidence_ranks
@@ -40,6 +41,7 @@ class LosslessState:
 class Lossless(DecodingMethod):
     name = "lossless"
     handles_logit_shift = True  # full forwards: the runner's full_logits applies the shift
+    attention_patterns = ATTENTION_KINDS  # full forwards, under the model's pattern
     Settings = LosslessSettings
 
     def validate(self, params: SamplingParams):

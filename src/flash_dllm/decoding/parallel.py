@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..config import ATTENTION_KINDS
 from .base import Settings, StepPlan, check, knob
 from .block import BlockMethod
 from .transfer import transfer_factor, transfer_threshold
@@ -53,6 +54,7 @@ class Parallel(BlockMethod):
     name = "parallel"
     Settings = ParallelSettings
     handles_logit_shift = True  # full forwards: the runner's full_logits applies the shift
+    attention_patterns = ATTENTION_KINDS  # full forwards, under the model's pattern
     demo_variants = {"parallel": {}, "parallel-factor": {"factor": 1.0}}
 
     def block_logits(self, runner: ModelRunner, batch: DecodeBatch, columns: torch.Tensor,

@@ -34,6 +34,7 @@ class PrefixCache(Parallel):
     handles_logit_shift = True
     Settings = PrefixCacheSettings
     uses_cache = True
+    attention_patterns = ("bidirectional",)  # its cached passes read each request's whole range
     demo_variants = None
 
     replayable = True

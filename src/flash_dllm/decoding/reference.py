@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..config import ATTENTION_KINDS
 from .base import Settings, StepPlan, check, knob
 from .block import BlockMethod, block_sizes
 from .sampling import REMASK_STREAM, counter_uniform
@@ -50,6 +51,7 @@ def block_steps(params: SamplingParams, block_index: torch.Tensor) -> torch.Tens
 class Reference(BlockMethod):
     name = "reference"
     handles_logit_shift = True  # full forwards: the runner's full_logits applies the shift
+    attention_patterns = ATTENTION_KINDS  # full forwards, under the model's pattern
     Settings = ReferenceSettings
 
     def validate(self, params: SamplingParams):

@@ -77,6 +77,11 @@ class LLMEngine:
         if self.runner.logit_shift and not method.handles_logit_shift:
             able = ", ".join(m.name for m in METHODS.values() if m.handles_logit_shift)
             raise ValueError(f"method {method.name!r} does not handle this model's shifted logits yet; use {able}")
+        attention = self.runner.model.config.attention
+        if attention.kind not in method.attention_patterns:
+            able = ", ".join(m.name for m in METHODS.values() if attention.kind in m.attention_patterns)
+            raise ValueError(f"method {method.name!r} does not support this model's {attention} attention yet; "
+                             f"use {able}")
         if params.kv_routing is not None and self.runner.batch_invariant:
             raise ValueError("kv_routing is not batch-invariant yet: its routed attention sums keys in the default "
                              "order; drop kv_routing or batch_invariant")

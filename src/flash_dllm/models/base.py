@@ -1,9 +1,10 @@
 """What an architecture is to the engine: `DiffusionLM`, a stack of pre-norm decoder layers between a
-token embedding and an LM head, with bidirectional attention.
+token embedding and an LM head, with the attention pattern its config declares (ModelConfig.attention).
 
-An architecture subclasses it with three things: `parse_config` (its config.json -> ModelConfig),
-`checkpoint_names` (its tensor names for the generic modules) and `logit_shift` (0: row i of the logits
-predicts position i; 1: row i comes from hidden state i - 1, as in Dream). The engine, the decoding methods,
+An architecture subclasses it with `model_type` and `architectures` (config.json's, by which the loader finds it),
+`parse_config` (its config.json -> ModelConfig), `checkpoint_names` (its tensor names for the generic modules),
+`logit_shift` (0: row i of the logits predicts position i; 1: row i comes from hidden state i - 1, as in Dream) and,
+where its layers' feed-forward blocks differ from the gated MLP, `feed_forward`. The engine, the decoding methods,
 the benchmarks and the loader use only this interface: `embed`, `layers`, `final_norm`, `compute_logits`,
 `hidden_states`, `forward_cached`, `forward` and `checkpoint_layout`.
 """
@@ -17,7 +18,7 @@ from torch import nn
 from ..cache.attention_metadata import AttentionMetadata
 from ..cache.kv_cache import KVCache
 from ..config import ModelConfig
-from .layers import DecoderLayer, RMSNorm, Rotary, linear, rotary_cos_sin
+from .layers import DecoderLayer, GatedMLP, RMSNorm, Rotary, linear, rotary_cos_sin
 from .parallel import TensorParallel, VocabParallelEmbedding, shard_config
 
 
@@ -50,13 +51,17 @@ def refuse_unsupported(cfg: dict, implemented: dict):
 
 class DiffusionLM(nn.Module):
     model_type: ClassVar[str]  # config.json's model_type
+    # config.json's `architectures` names this class implements, which tell it apart from others of its model_type;
+    # the first is its name in ARCHITECTURES and ModelConfig.architecture.
+    architectures: ClassVar[tuple[str, ...]]
     logit_shift: ClassVar[int] = 0
     # The transformers tokenizer class that reads the checkpoint's vocab.json + merges.txt where it ships no
     # tokenizer.json (None: tokenizer.json only).
     vocab_merges_tokenizer: ClassVar[str | None] = None
     # Generic module -> checkpoint tensor prefix. Keys: "embed", "final_norm", "lm_head", "layer" (with {i}),
-    # and per layer "attn_norm", "attention.qkv_proj", "attention.o_proj", "mlp_norm", "mlp.gate_up_proj",
-    # "mlp.down_proj"; a packed projection maps to one name per shard.
+    # and per layer "attn_norm", "attention.qkv_proj", "attention.o_proj", "mlp_norm", and each module of the
+    # layer's feed-forward block under "mlp." ("mlp.gate_up_proj", "mlp.down_proj" for the gated MLP); a packed
+    # projection maps to one name per shard.
     checkpoint_names: ClassVar[dict[str, str | tuple[str, ...]]]
 
     @classmethod
@@ -70,26 +75,45 @@ class DiffusionLM(nn.Module):
         self.config, self.tp = cfg, tp or TensorParallel()
         self.shard_config = shard_config(cfg, self.tp)
         self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, self.tp)
-        self.layers = nn.ModuleList(DecoderLayer(self.shard_config, layer, self.tp) for layer in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(self.shard_config, layer, self.tp, self.feed_forward(layer))
+                                    for layer in range(cfg.num_layers))
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_bias)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, self.embed.num_embeddings,
                                                                       bias=cfg.linear_bias)
+
+    def feed_forward(self, layer: int) -> nn.Module:
+        """The feed-forward block of decoder layer `layer` (the gated MLP by default; a mixture of experts, or a
+        dense first layer, is an architecture's own): ffn(x [..., d], kernels, invariant) -> [..., d], over the
+        normed hidden states. Built from self.shard_config and self.tp, before the layers exist."""
+        return GatedMLP(self.shard_config, self.tp)
+
+    def visible_keys(self, positions: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+        """positions [B, L], attention_mask [B, L] (True: a real token) -> [B, 1, 1 or L, L] True where query row i
+        may attend to key j under the model's attention pattern (None: every key). Block-causal: key j's block at
+        most query i's (a left-padded row's pads sit at position 0, so every row sees a key)."""
+        keys = None if attention_mask is None else attention_mask[:, None, None, :]
+        pattern = self.config.attention
+        if pattern.kind == "bidirectional":
+            return keys
+        block = positions.clamp(min=0) // pattern.block_size
+        visible = (block[:, None, :] <= block[:, :, None])[:, None]
+        return visible if keys is None else visible & keys
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                       attention_mask: torch.Tensor | None = None, ordered: bool = False,
                       kernels: bool = False) -> torch.Tensor:
         """input_ids [B, L] -> final-normed hidden states [B, L, d].
 
-        positions [B, L] are the RoPE positions (default 0..L-1); attention_mask [B, L] is True for the
-        keys a row may attend to (False for padding). ordered: attention sums over keys in one fixed order
-        (batch-invariant decoding, kernels/attention.py); with `kernels`, every sum of the pass through the
-        Triton kernels in one tiling (the GPU's way to the same property).
+        positions [B, L] are the RoPE positions (default 0..L-1), which also place the attention pattern's blocks;
+        attention_mask [B, L] is True for the keys a row may attend to (False for padding). ordered: attention sums
+        over keys in one fixed order (batch-invariant decoding, kernels/attention.py); with `kernels`, every sum of
+        the pass through the Triton kernels in one tiling (the GPU's way to the same property).
         """
         B, L = input_ids.shape
         if positions is None:
             positions = torch.arange(L, device=input_ids.device).expand(B, L)
         cos, sin = rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
-        attn_mask = None if attention_mask is None else attention_mask[:, None, None, :]
+        attn_mask = self.visible_keys(positions, attention_mask)
         x = self.embed(input_ids)
         for layer in self.layers:
             x = layer(x, cos, sin, attn_mask, ordered, kernels)
@@ -101,9 +125,10 @@ class DiffusionLM(nn.Module):
         """Flat query rows input_ids, positions [N] -> final-normed hidden states [N, d].
 
         Each layer writes the rows' K/V into `cache` at metadata.slot_mapping, then every request's rows
-        attend to its whole range of the cache (see AttentionMetadata). With key_mass [B, max_kv], the
-        attention mass of the tracked rows is accumulated over layers and heads. `kernels`: the Triton
-        kernels instead of their PyTorch references.
+        attend to its whole range of the cache (see AttentionMetadata): bidirectional attention, whatever the
+        model's pattern (the engine runs a block-causal model's requests only with the methods that declare it,
+        DecodingMethod.attention_patterns). With key_mass [B, max_kv], the attention mass of the tracked rows is
+        accumulated over layers and heads. `kernels`: the Triton kernels instead of their PyTorch references.
         """
         rope = Rotary.at(positions, self.config)
         x = self.embed(input_ids)
@@ -120,7 +145,7 @@ class DiffusionLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids [B, L] -> logits [B, L, V] under full bidirectional attention; row i predicts position i
+        """input_ids [B, L] -> logits [B, L, V] under the model's attention pattern; row i predicts position i
         (for a shifted architecture, row i comes from hidden state i - 1 and row 0 from hidden state 0)."""
         logits = self.compute_logits(self.hidden_states(input_ids, positions, attention_mask))
         if self.logit_shift:

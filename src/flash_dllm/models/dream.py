@@ -15,6 +15,7 @@ _REQUIRED = {
 
 class DreamModel(DiffusionLM):
     model_type = "Dream"
+    architectures = ("DreamModel",)
     logit_shift = 1
     vocab_merges_tokenizer = "Qwen2TokenizerFast"  # the HF repo's remote-code DreamTokenizer is Qwen2's
     checkpoint_names = {
@@ -38,7 +39,7 @@ class DreamModel(DiffusionLM):
             raise ValueError(f"config.json: hidden_size ({hidden}) is not divisible by num_attention_heads "
                              f"({n_heads})")
         return ModelConfig(
-            architecture=cls.model_type,
+            architecture=cls.architectures[0],
             hidden_size=hidden,
             num_layers=n_layers,
             num_heads=n_heads,
@@ -57,4 +58,6 @@ class DreamModel(DiffusionLM):
             eos_token_id=cfg.get("eos_token_id"),
             pad_token_id=cfg.get("pad_token_id"),
             bos_token_id=cfg.get("bos_token_id"),
+            mask_token="<|mask|>",  # Qwen2's tokenizer's names, where config.json gives no ids
+            end_of_turn_tokens=("<|im_end|>",),
         )

@@ -1,6 +1,7 @@
 """The layers every architecture is built from: RMSNorm, packed linear projections, rotary embeddings,
-bidirectional attention (full, or cached over the flat KV cache through the Triton kernels or their
-PyTorch references), the gated MLP, and the pre-norm decoder layer that joins them.
+attention (full, under the mask of the model's pattern; or cached, bidirectional over the flat KV cache, through
+the Triton kernels or their PyTorch references), the gated MLP, and the pre-norm decoder layer that joins them
+with its feed-forward block.
 
 Module names are generic (`attention.qkv_proj`, `mlp.down_proj`, ...); each architecture maps them to
 its checkpoint's tensor names (`DiffusionLM.checkpoint_names`).
@@ -127,7 +128,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
-    """Bidirectional attention with grouped K/V heads (GQA) from one packed q|k|v projection. Under tensor
+    """Attention with grouped K/V heads (GQA) from one packed q|k|v projection. Under tensor
     parallelism `cfg` is the rank's shard (parallel.shard_config: its heads) and the output projection is summed over
     the ranks."""
 
@@ -143,9 +144,9 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn_mask: torch.Tensor | None, ordered: bool = False, kernels: bool = False) -> torch.Tensor:
-        """x [B, L, d] -> [B, L, d]; attn_mask [B, 1, 1, L] True for the keys a row may see. ordered: every sum
-        over keys in one fixed order (batch-invariant decoding); with `kernels`, through the Triton kernels
-        (the invariant GEMM, and the flash attention kernel over each row's own keys)."""
+        """x [B, L, d] -> [B, L, d]; attn_mask [B, 1, 1 or L, L] True for the keys a row may see (None: all).
+        ordered: every sum over keys in one fixed order (batch-invariant decoding); with `kernels`, through the
+        Triton kernels (the invariant GEMM, and the flash attention kernel over each row's own keys)."""
         B, L, _ = x.shape
         invariant = ordered and kernels
         q, k, v = project(self.qkv_proj, x, invariant).split(self.qkv_proj.output_sizes, dim=-1)
@@ -163,7 +164,7 @@ class Attention(nn.Module):
             visible = torch.ones(B, 1, 1, L, dtype=torch.bool, device=x.device) if attn_mask is None else attn_mask
             out = ordered_attention_in_chunks(q, k, v, visible)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # bidirectional
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
         return row_parallel(self.o_proj, out.transpose(1, 2).reshape(B, L, -1), False, self.tp)
 
     def _kernel_full_attention(self, q, k, v, attn_mask) -> torch.Tensor:
@@ -289,15 +290,16 @@ class GatedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """x + attention(norm(x)), then x + mlp(norm(x))."""
+    """x + attention(norm(x)), then x + mlp(norm(x)), `mlp` the layer's feed-forward block
+    (DiffusionLM.feed_forward)."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallel):
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallel, mlp: nn.Module):
         super().__init__()
         self.tp = tp
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_bias)
         self.attention = Attention(cfg, layer, tp)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_bias)
-        self.mlp = GatedMLP(cfg, tp)
+        self.mlp = mlp
 
     def forward(self, x, cos, sin, attn_mask, ordered: bool = False, kernels: bool = False):
         """ordered: batch-invariant sums; with `kernels` (the only way on the GPU) through the Triton kernels."""
@@ -318,7 +320,7 @@ class DecoderLayer(nn.Module):
         return x
 
     def _forward_cached(self, x, rope, metadata, cache, key_mass, kernels) -> torch.Tensor:
-        if kernels and isinstance(self.mlp.down_proj, Fp8Linear):
+        if kernels and isinstance(self.attention.o_proj, Fp8Linear):  # quantize_linears: every projection FP8
             return self._forward_cached_fp8(x, rope, metadata, cache, key_mass)
         invariant = metadata.ordered and kernels
         x = x + self.attention.forward_cached(self.attn_norm(x, kernels, invariant), rope, metadata, cache, key_mass,
@@ -328,7 +330,7 @@ class DecoderLayer(nn.Module):
     def _forward_cached_fp8(self, x, rope, metadata, cache, key_mass) -> torch.Tensor:
         """The kernel path with FP8 weights: each GEMM's input quantised by the kernel that writes it (the norms,
         SiLU, a quantising pass over the attention's output) and its output scaled by the kernel that reads it (RoPE,
-        SiLU, the residual adds, the first fused with the MLP's norm)."""
+        SiLU, the residual adds, the first fused with the MLP's norm). The feed-forward block gives `forward_fp8`."""
         norm = lambda module, rows, residual=None: rms_norm_fp8(rows, module.weight, module.bias, module.eps, residual)
         attended = self.attention.forward_cached_fp8(norm(self.attn_norm, x)[1], rope, metadata, cache, key_mass)
         parts = []

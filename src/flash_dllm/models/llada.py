@@ -21,6 +21,7 @@ _REQUIRED = {
 
 class LLaDAModel(DiffusionLM):
     model_type = "llada"
+    architectures = ("LLaDAModelLM",)
     checkpoint_names = {
         "embed": "model.transformer.wte", "final_norm": "model.transformer.ln_f",
         "lm_head": "model.transformer.ff_out", "layer": "model.transformer.blocks.{i}",
@@ -43,7 +44,7 @@ class LLaDAModel(DiffusionLM):
         mlp = cfg.get("mlp_hidden_size") or int(cfg.get("mlp_ratio", 4) * d_model)
         include_bias = bool(cfg.get("include_bias", False))
         return ModelConfig(
-            architecture=cls.model_type,
+            architecture=cls.architectures[0],
             hidden_size=d_model,
             num_layers=n_layers,
             num_heads=n_heads,
@@ -62,4 +63,6 @@ class LLaDAModel(DiffusionLM):
             eos_token_id=cfg.get("eos_token_id"),
             pad_token_id=cfg.get("pad_token_id"),
             bos_token_id=cfg.get("bos_token_id"),
+            mask_token="<|mdm_mask|>",  # LLaDA's tokenizer's names, where config.json gives no ids
+            end_of_turn_tokens=("<|eot_id|>",),
         )

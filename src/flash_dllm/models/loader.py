@@ -1,5 +1,5 @@
-"""Checkpoint I/O: the architecture registry (config.json's model_type -> its DiffusionLM class), stream
-Hugging Face safetensors (sharded or single) into a model, save in the same format, or fill a model of a
+"""Checkpoint I/O: the architecture registry (config.json's model_type and architectures -> its DiffusionLM class),
+stream Hugging Face safetensors (sharded or single) into a model, save in the same format, or fill a model of a
 named configuration with random weights directly on its device. A model whose weights cannot fit the device's
 memory is refused before anything is allocated."""
 from __future__ import annotations
@@ -22,19 +22,43 @@ from .llada import LLaDAModel
 from .parallel import TensorParallel
 from .quantization import Fp8Linear, check_quantization, quantize_linears
 
-# One entry per architecture: config.json's model_type -> its class (which parses that config.json).
-ARCHITECTURES: dict[str, type[DiffusionLM]] = {cls.model_type: cls for cls in (LLaDAModel, DreamModel)}
+# One entry per architecture: its name (the first of its `architectures`) -> its class (which parses its config.json).
+ARCHITECTURES: dict[str, type[DiffusionLM]] = {}
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
 
+def register(cls: type[DiffusionLM]) -> type[DiffusionLM]:
+    """Add an architecture (its class, with its model_type and at least one architecture name) to the table."""
+    if not cls.architectures:
+        raise ValueError(f"{cls.__name__} declares no architectures (config.json's names of it)")
+    for name in cls.architectures:
+        if any(name in other.architectures for other in ARCHITECTURES.values()):
+            raise ValueError(f"an architecture named {name!r} is already registered")
+    ARCHITECTURES[cls.architectures[0]] = cls
+    return cls
+
+
+for _architecture in (LLaDAModel, DreamModel):
+    register(_architecture)
+
+
+def architecture_of(hf_config: dict) -> type[DiffusionLM]:
+    """The class of a config.json: of its model_type, the one that implements one of its `architectures`; where
+    config.json lists none, the model_type's first entry."""
+    model_type, names = hf_config.get("model_type"), hf_config.get("architectures") or []
+    of_type = [cls for cls in ARCHITECTURES.values() if cls.model_type == model_type]
+    named = [cls for cls in of_type if set(names) & set(cls.architectures)]
+    if named or (of_type and not names):
+        return (named or of_type)[0]
+    supported = ", ".join(f"{cls.model_type!r} ({', '.join(cls.architectures)})" for cls in ARCHITECTURES.values())
+    what = f"model_type {model_type!r}" + (f" with architectures {names}" if of_type else "")
+    raise ValueError(f"config.json: {what} is not supported (supported: {supported})")
+
+
 def parse_config(hf_config: dict) -> ModelConfig:
-    """A config.json's contents, by the parser of its model_type."""
-    model_type = hf_config.get("model_type")
-    if model_type not in ARCHITECTURES:
-        raise ValueError(f"config.json: model_type {model_type!r} is not supported "
-                         f"(supported: {', '.join(map(repr, ARCHITECTURES))})")
-    return ARCHITECTURES[model_type].parse_config(hf_config)
+    """A config.json's contents, by the parser of its architecture."""
+    return architecture_of(hf_config).parse_config(hf_config)
 
 
 def config_from_dir(path: str | Path) -> ModelConfig:
