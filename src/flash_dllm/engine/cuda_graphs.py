@@ -179,7 +179,7 @@ class GraphedCalls:
         any batch of its shape (`warmup.capture_steady_passes` captures the steady ones before ready). Measured
         (H100, random LLaDA-8B, Flash-Cache, `bench mix --capture-after-ready` against none): at batch 11-26 the
         throughput is within 0.5%; a lone dense request's steady step takes 9.5 against 8.3 ms, batch 2 28 against
-        18 ms (benchmarks/RESULTS.md, 2026-12-06)."""
+        18 ms (benchmarks/HISTORY.md, 2026-12-06)."""
         self.capturing = False
 
     def _capture(self, fn, tensors: tuple[torch.Tensor, ...], run_first: bool) -> _CapturedCall:

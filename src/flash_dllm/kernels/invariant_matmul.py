@@ -9,7 +9,7 @@ plus a tail of 16, each weight tile loaded once; many: large tiles), and a row's
 the row and the weights; it is also the same from run to run.
 `benchmarks/invariant_matmul_configs.py` checks that on the GPU (every config bit-identical) and picks them.
 (A split over K fixed by the weight's shape was measured: no faster at 144 rows, 1.4-1.5x slower at 241 rows and
-at batch 32; H200, RESULTS.md.) Also a batched matmul and a row sum with the same property, for sums over a
+at batch 32; H200, benchmarks/HISTORY.md.) Also a batched matmul and a row sum with the same property, for sums over a
 batch-padded axis (Elastic-Cache's drift test).
 """
 from __future__ import annotations
