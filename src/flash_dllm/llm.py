@@ -1,6 +1,7 @@
 """The user-facing API: `LLM(model).generate(prompts, SamplingParams(...))`."""
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import time
@@ -14,9 +15,10 @@ import torch
 
 from .engine.llm_engine import LLMEngine
 from .engine.model_runner import ModelRunner
+from .engine.rank import RANDOM_PREFIX, RankSpec, build_rank
 from .engine.sequence import Sequence
-from .engine.tensor_parallel import MirroredEngine, MirroredRunner, RankSpec, Workers
-from .models import DiffusionLM, config_from_dir, load_model, random_model, resolve_checkpoint
+from .engine.tensor_parallel import MirroredEngine, MirroredRunner, Workers
+from .models import config_from_dir, resolve_checkpoint
 from .models.loader import random_config
 from .models.parallel import TensorParallel, check_size
 from .models.quantization import check_options
@@ -25,7 +27,6 @@ from .tokenizer import load_tokenizer, special_tokens
 
 Messages = list[dict]
 Prompt = Union[str, list[int], Messages]
-RANDOM_PREFIX = "random:"
 PROGRESS_MIN_PROMPTS = 16  # a call with more prompts shows a progress bar by default, even off a terminal
 logger = logging.getLogger("flash_dllm")
 
@@ -89,20 +90,6 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return names[dtype]
 
 
-def build_rank(spec: RankSpec, device: torch.device, tp: TensorParallel | None = None,
-               workers: Workers | None = None) -> tuple[DiffusionLM, ModelRunner]:
-    """The model (this rank's shard under tensor parallelism `tp`) on `device`, and its runner (the driver's mirrors
-    its cache's allocation to the `workers`)."""
-    if spec.model.startswith(RANDOM_PREFIX):
-        model = random_model(spec.model[len(RANDOM_PREFIX):], device, spec.dtype, seed=spec.seed,
-                             quantization=spec.quantization, tp=tp)
-    else:
-        model = load_model(spec.model, device, spec.dtype, spec.quantization, tp=tp)
-    options = dict(kernels=spec.kernels, cuda_graphs=spec.cuda_graphs, kv_cache_bytes=spec.kv_cache_bytes,
-                   batch_invariant=spec.batch_invariant, kv_cache_dtype=spec.kv_cache_dtype)
-    return model, ModelRunner(model, **options) if workers is None else MirroredRunner(model, workers, **options)
-
-
 class LLM:
     """A diffusion language model ready to generate.
 
@@ -126,10 +113,11 @@ class LLM:
     kv_cache_dtype: "fp8": the cached methods' K and V stored in E4M3 with one scale per token and KV head (about
         half the bytes: twice the tokens in the same kv_cache_bytes); None (default): in `dtype`.
     tensor_parallel_size: the model split over this many GPUs (NCCL; on the CPU, processes over gloo), Megatron-style
-        (models/parallel.py): this process is rank 0 and starts the others itself (one per GPU from `device` on; a
-        script must then guard its top level with `if __name__ == "__main__":`), or under `torchrun` the other
-        ranks' LLM(...) serve rank 0 and end their process. Outputs come back on rank 0 only; kv_cache_bytes is per
-        rank. `shutdown()` stops the other ranks (else at exit).
+        (models/parallel.py): this process is rank 0 and starts the others itself (one per GPU from `device` on;
+        fresh `python -m flash_dllm.engine.worker` processes, which never import the calling script), or under
+        `torchrun` the other ranks' LLM(...) serve rank 0 and end their process. Outputs come back on rank 0 only;
+        kv_cache_bytes is per rank. A rank that fails or ends fails the call that needs it, naming it. `shutdown()`
+        stops the other ranks (else at exit, or with this process on SIGTERM).
     """
 
     def __init__(self, model: str | Path | None = None, device: str | None = None,
@@ -152,7 +140,8 @@ class LLM:
             self.workers = Workers.start(rank_spec, tensor_parallel_size)  # torchrun's other ranks end in there
             tp, self.device = self.workers.tp, self.workers.device
         try:
-            self.model, self.runner = build_rank(rank_spec, self.device, tp, self.workers)
+            runner = ModelRunner if self.workers is None else functools.partial(MirroredRunner, workers=self.workers)
+            self.model, self.runner = build_rank(rank_spec, self.device, tp, runner)
             self.config = self.model.config
             self.tokenizer = load_tokenizer(self.path, self.model.vocab_merges_tokenizer)
             self.special = special_tokens(self.config, self.path, self.tokenizer)

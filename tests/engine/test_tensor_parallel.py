@@ -1,14 +1,21 @@
-"""Tensor parallelism on the CPU: 2 ranks over gloo (the LLM spawns its worker process) against one process, on tiny
+"""Tensor parallelism on the CPU: 2 ranks over gloo (the LLM starts its worker process) against one process, on tiny
 fp32 LLaDA (one KV head, replicated on both ranks; biases everywhere: the row-parallel ones added once) and Dream
 (two KV heads, split) checkpoints: logits within 1e-5, the same tokens for every method, batched and alone, the
 batch-invariant mode too, and every rank's tokens the driver's. A rank's loaded parameters are exactly its slices
-of the whole model's (FP8 weights too)."""
+of the whole model's (FP8 weights too). The worker processes, from scripts of their own (each bounded in time): a
+script needs no main guard, and no rank waits for one that failed or ended: a worker that cannot start, dies or
+fails its part fails the driver's call at once, naming it; the workers end with a terminated or killed driver."""
 from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import textwrap
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -225,3 +232,150 @@ def test_bench_step_prints_the_size_and_the_collectives(capsys):
     header, row = ([cell.strip() for cell in line.strip("|").split("|")] for line in out.splitlines()[2:5:2])
     assert header[5:8] == ["ms/iter", "TP", "collectives ms/iter"] and row[6] == "2"
     assert 0 < float(row[7]) <= float(row[5])
+
+
+# ----------------------------------------------------------------------------- the worker processes
+
+def run_script(path: Path, code: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`code` as a script of its own, at its top level like a user's (no main guard), run to its end."""
+    path.write_text(textwrap.dedent(code))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_a_script_without_a_main_guard_runs_tensor_parallel(tmp_path):
+    """The workers are fresh interpreters (`python -m flash_dllm.engine.worker`): they never import the script. A
+    method the script registers (from a module of its own) runs on them too: the same tokens as in one process."""
+    (tmp_path / "my_methods.py").write_text(textwrap.dedent("""
+        from flash_dllm.decoding.flash_cache import FlashCache
+
+        class MyFlashCache(FlashCache):
+            name = "my-flash-cache"
+    """))
+    run = run_script(tmp_path / "unguarded.py", """
+        import json
+        from flash_dllm import LLM, SamplingParams
+        from flash_dllm.decoding.registry import register
+        from my_methods import MyFlashCache
+
+        register(MyFlashCache)
+        two = LLM(device="cpu", tensor_parallel_size=2).generate(
+            ["What is 3 + 4?"], SamplingParams(method="my-flash-cache", max_tokens=12, block_length=6))[0]
+        one = LLM(device="cpu").generate(
+            ["What is 3 + 4?"], SamplingParams(method="flash-cache", max_tokens=12, block_length=6))[0]
+        print(json.dumps({"text": two.text, "two": two.token_ids, "one": one.token_ids}))
+    """)
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = json.loads(run.stdout.splitlines()[-1])
+    assert out["two"] and out["two"] == out["one"]
+
+
+@pytest.mark.parametrize("module, error", [
+    ("flash_dllm.no_such_module", r"tensor-parallel rank 1 exited with code 1 before joining: .*No module named "),
+    ("die_at_once", r"tensor-parallel rank 1 was killed by signal 9 \(Killed\) before joining")],
+    ids=["missing", "killed"])
+def test_a_worker_that_cannot_start_fails_the_llm_at_once(tmp_path, module, error):
+    """A worker that exits before it joins the group (its module missing; killed as it starts) fails LLM(...)
+    within seconds, in one line naming its rank and why (its stderr's last line)."""
+    (tmp_path / "die_at_once.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    run = run_script(tmp_path / "start.py", """
+        import sys, time
+        import flash_dllm.engine.tensor_parallel as tensor_parallel
+        from flash_dllm import LLM
+
+        tensor_parallel.WORKER_MODULE = sys.argv[1]
+        start = time.monotonic()
+        try:
+            LLM(device="cpu", tensor_parallel_size=2)
+        except RuntimeError as error:
+            print(f"{time.monotonic() - start:.1f}", error)
+    """, module)
+    assert run.returncode == 0, run.stderr[-2000:]
+    seconds, message = run.stdout.splitlines()[-1].split(" ", 1)
+    assert re.match(error, message) and float(seconds) < 60, run.stdout
+
+
+def test_a_worker_that_fails_or_dies_fails_the_call_that_waits_for_it(tmp_path):
+    """A worker whose part of an operation fails leaves (the driver's collective fails instead of waiting for it); one
+    killed mid-generate fails that call; either names the rank, the LLM then refuses to run, and a new one starts."""
+    (tmp_path / "rank_ops.py").write_text(textwrap.dedent("""
+        import torch
+
+        def fail_on_rank_1(state):
+            if state.tp.rank == 1:
+                raise RuntimeError("rank 1 cannot")
+            return state.tp.all_reduce(torch.ones(1))
+    """))
+    run = run_script(tmp_path / "die.py", """
+        import os, signal, threading
+        from flash_dllm import LLM, SamplingParams
+        from rank_ops import fail_on_rank_1
+
+        def fails(call):
+            try:
+                call()
+            except RuntimeError as error:
+                print(error, flush=True)
+
+        def generate_until_it_fails():
+            while True:
+                llm.generate([[5, 17, 42, 99, 7]] * 4, params)
+
+        params = SamplingParams(method="flash-cache", max_tokens=32, block_length=8)
+        llm = LLM(device="cpu", tensor_parallel_size=2)
+        fails(lambda: llm.workers.everywhere(fail_on_rank_1, llm))
+        fails(lambda: llm.generate([[5, 17, 42]], params))
+        llm.shutdown()
+        llm = LLM(device="cpu", tensor_parallel_size=2)
+        worker = llm.workers.processes[0].popen
+        threading.Timer(0.5, os.kill, (worker.pid, signal.SIGKILL)).start()
+        fails(generate_until_it_fails)
+    """)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.splitlines() == [
+        "tensor-parallel rank 1 exited with code 1: tensor-parallel rank 1: fail_on_rank_1 failed: RuntimeError: "
+        "rank 1 cannot",
+        "the tensor-parallel ranks are out of step: tensor-parallel rank 1 exited with code 1: tensor-parallel rank 1: "
+        "fail_on_rank_1 failed: RuntimeError: rank 1 cannot; start a new LLM",
+        "tensor-parallel rank 1 was killed by signal 9 (Killed)"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_the_workers_end_with_their_driver_quietly(tmp_path, sig):
+    """SIGTERM to the driver mid-generate ends its workers and then itself; a killed driver's workers notice and end.
+    Within seconds, and no process prints a traceback."""
+    script = tmp_path / "serve.py"
+    script.write_text(textwrap.dedent("""
+        from flash_dllm import LLM, SamplingParams
+
+        llm = LLM(device="cpu", tensor_parallel_size=2)
+        print(*[process.popen.pid for process in llm.workers.processes], flush=True)
+        while True:
+            llm.generate([[5, 17, 42, 99, 7]] * 4, SamplingParams(method="flash-cache", max_tokens=32, block_length=8))
+            print("generated", flush=True)
+    """))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    driver = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env)
+    deadline = threading.Timer(300, driver.kill)  # the reads below wait for it
+    deadline.start()
+    try:
+        workers = [int(pid) for pid in driver.stdout.readline().split()]
+        assert driver.stdout.readline() == "generated\n"
+        driver.send_signal(sig)
+        ended = time.monotonic()
+        _, stderr = driver.communicate(timeout=60)  # its stdout closes when the workers (which share it) end too
+    finally:
+        deadline.cancel()
+        driver.kill()
+    assert driver.returncode == -sig
+    assert all(has_ended(pid) for pid in workers) and time.monotonic() - ended < 30
+    assert "Traceback" not in stderr, stderr[-2000:]
+
+
+def has_ended(pid: int) -> bool:
+    """Whether a process has exited (gone, or a zombie not yet reaped by its new parent)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
