@@ -191,3 +191,13 @@ def test_bf16_runs(gqa_checkpoint):
     llm = LLM(str(gqa_checkpoint), device="cpu", dtype=torch.bfloat16)
     assert next(llm.model.parameters()).dtype == torch.bfloat16
     assert llm.generate("hi", SamplingParams(max_tokens=8, block_length=8))[0].steps > 0
+
+
+@pytest.mark.parametrize("content, why", [("", "empty"), (" \n\t", "only whitespace")])
+def test_a_blank_chat_message_fails_alone(content, why):
+    llm = LLM(device="cpu", dtype="float32")
+    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": content}]
+    blank, fine = llm.generate([messages, "What is 3 + 4?"], SamplingParams(max_tokens=8, block_length=8),
+                               use_tqdm=False)
+    assert blank.finish_reason == "error" and blank.error == f"prompt 0: message 1: its content is {why}"
+    assert fine.finish_reason != "error"

@@ -18,6 +18,7 @@ from .engine.model_runner import ModelRunner
 from .engine.rank import RANDOM_PREFIX, RankSpec, build_rank
 from .engine.sequence import Sequence
 from .engine.tensor_parallel import MirroredEngine, MirroredRunner, Workers
+from .engine.warmup import compiles_on_first_use, warm_up_requests, warm_up_routing
 from .models import config_from_dir, resolve_checkpoint
 from .models.loader import random_config
 from .models.parallel import TensorParallel, check_size
@@ -153,6 +154,8 @@ class LLM:
             if self.workers is not None:
                 self.workers.fail(error)
             raise
+        # (method, warm-up routing) -> seconds its warm-up took, at its first use (`_warm_up`)
+        self.warm_up_seconds: dict[tuple[str, str | None], float] = {}
         if self.workers is None:
             self.engine = LLMEngine(self.runner, self.special, max_batch_size)
         else:
@@ -190,6 +193,10 @@ class LLM:
                                                        and isinstance(m.get("content"), str) for m in messages)):
                 raise ValueError(f"a prompt is a string, a list of token ids or a list of {{'role': str, "
                                  f"'content': str}} messages, got {type(prompt).__name__}")
+            for number, message in enumerate(messages):  # a blank message is a blank prompt: the same rule
+                if not message["content"].strip():
+                    raise ValueError(f"message {number}: its content is "
+                                     + ("empty" if not message["content"] else "only whitespace"))
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             add_special_tokens = False
         try:
@@ -248,6 +255,7 @@ class LLM:
                 with progress.external_write_mode() if progress is not None else nullcontext():
                     on_output(out)  # the bar steps aside for what it prints
 
+        self._warm_up(params)
         try:
             for index, (prompt, p) in enumerate(zip(prompts, params)):
                 try:
@@ -285,6 +293,25 @@ class LLM:
             if progress is not None:
                 progress.close()
         return outputs
+
+    def _warm_up(self, params: list[SamplingParams]):
+        """At the first use of each method and kind of routing, run `serve`'s warm-up requests of them (through the
+        first layer: engine/warmup.py), so that their kernel variants compile here, once, not in the middle of
+        decoding. Its time goes to `warm_up_seconds` and the log. CUDA graphs are still captured lazily, at a shape's
+        second sighting: unlike a server's batches, an offline call's repeat its shapes, and the captures pay for
+        themselves within the call (H100, random LLaDA-8B, one request of 256 + 256 tokens: Flash-Verify 4.6 s with
+        them against 7.6 s without, Elastic-Cache 4.4 s against 11.5 s; benchmarks/RESULTS.md)."""
+        if not compiles_on_first_use(self.runner) or self.workers is not None:  # the warm-up is one rank's
+            return
+        for key in dict.fromkeys((p.method, warm_up_routing(p.kv_routing)) for p in params):
+            if key in self.warm_up_seconds:
+                continue
+            self.warm_up_seconds[key] = 0.0  # its own requests find it warm
+            start = time.perf_counter()
+            requests = warm_up_requests(self, (key[0],), (key[1],))
+            self.warm_up_seconds[key] = time.perf_counter() - start
+            logger.info("warm-up of %s%s: %d requests in %.2f s", key[0], f" ({key[1]} routing)" if key[1] else "",
+                        requests, self.warm_up_seconds[key])
 
     def _output(self, index: int, prompt: Prompt, seq: Sequence) -> RequestOutput:
         return RequestOutput(

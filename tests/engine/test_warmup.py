@@ -144,3 +144,26 @@ def test_the_warm_up_requests_run_every_method_and_kind_of_routing_alone_and_bat
                enumerate(calls))
     assert {layers for *_, layers in calls} == {1} and ran == sum(1 + len(batched(m)) for m, _ in runs)
     assert len(llm.model.layers) == llm.config.num_layers
+
+
+def test_generate_warms_each_method_and_routing_at_its_first_use(gqa_checkpoint, monkeypatch):
+    """Where a first launch compiles (Triton on CUDA), `LLM.generate` runs the server's warm-up requests of each
+    method and kind of routing once, before their first requests; the tokens are those of an LLM without it."""
+    import flash_dllm.llm as llm_module
+
+    cold = LLM(gqa_checkpoint, device="cpu", dtype="float32")
+    llm = LLM(gqa_checkpoint, device="cpu", dtype="float32")
+    monkeypatch.setattr(llm_module, "compiles_on_first_use", lambda runner: runner is llm.runner)
+    warmed = []
+    monkeypatch.setattr(llm_module, "warm_up_requests", lambda llm, methods, routings: warmed.append(
+        (methods, routings)) or warm_up_requests(llm, methods, routings, prompt_lengths=(16, 64)))
+    prompts = [[5 + i for i in range(40)], [7 + i for i in range(24)]]
+    flash = SamplingParams(method="flash-cache", max_tokens=16, block_length=8)
+    routed = SamplingParams(method="dual-cache", max_tokens=16, block_length=8, kv_routing="centroid")
+    for params in (flash, [flash, routed], [routed, flash]):
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.token_ids for o in outputs] == [o.token_ids for o in cold.generate(prompts, params, use_tqdm=False)]
+    assert warmed == [(("flash-cache",), (None,)), (("dual-cache",), ("chunk",))]  # centroid launches chunks' variants
+    assert set(llm.warm_up_seconds) == {("flash-cache", None), ("dual-cache", "chunk")}
+    assert all(seconds > 0 for seconds in llm.warm_up_seconds.values())
+    assert cold.warm_up_seconds == {}  # on the CPU without kernels nothing compiles: no warm-up

@@ -311,8 +311,18 @@ def warm_up_requests(llm, methods: tuple[str, ...] | None = None,
 # (first passes, refreshes, other batch sizes or settings) run eagerly. Each batch size (`serve
 # --graph-batch-sizes`) costs start-up: one graph per method and bucket (~20 a method, ~70 ms each on an H100).
 # Batch 2 is the default's second: at low load the most frequent batch after 1, whose steady step replayed took
-# 16 ms against 22.5 ms eager (benchmarks/RESULTS.md, session 34).
+# 16 ms against 22.5 ms eager (benchmarks/HISTORY.md, session 34).
 STEADY_BATCH_SIZES = (1, 2)
+
+
+def compiles_on_first_use(runner) -> bool:
+    """Whether a pass's first launch compiles (Triton kernels on CUDA): what the warm-ups are for."""
+    return runner.kernels and runner.device.type == "cuda"
+
+
+def warm_up_routing(kv_routing: str | None) -> str | None:
+    """The warm-up routing that launches a request's routing variants: k-means its own, any other policy chunks'."""
+    return kv_routing if kv_routing in (None, "kmeans") else "chunk"
 
 
 def key_widths(first: int, last: int) -> list[int]:
@@ -344,6 +354,8 @@ def capture_steady_passes(llm, methods: tuple[str, ...], block_length: int = 32,
         try:
             params = SamplingParams(method=method, block_length=block_length)
         except ValueError:
+            continue
+        if llm.config.attention.kind not in method_of(method).attention_patterns:  # refused on this model
             continue
         steady = method_of(method).steady_pass(params, runner.logit_shift)
         if steady is None:
