@@ -425,7 +425,9 @@ def before_ready(llm, methods: tuple[str, ...] | None = None, routings: tuple[st
     # on CUDA the dense passes' variants compile here
     cache = runner.allocate_cache(with_hidden=any(method_of(m).caches_hidden_states for m in served))
     phases.cache_s = lap()
-    if runner.kernels:
+    # Under tensor parallelism these would run on rank 0 alone, whose collectives would wait for ranks that never
+    # join them: there every rank compiles the dense passes as its cache is allocated, the rest at first launch.
+    if runner.kernels and llm.workers is None:
         compile_kernels(llm.model, cache, row_counts, request_counts, ordered=runner.batch_invariant, routed=True)
         phases.kernels_s = lap()
         phases.requests = warm_up_requests(llm, methods, routings, prompt_lengths, max_tokens, block_length)
