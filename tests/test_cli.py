@@ -47,7 +47,7 @@ def test_info(capsys):
     assert "runs on: cpu in float32" in out and "(32.06 GB in float32)" in out
     assert "KV cache per token: 1,048,576 bytes (float32, all layers; 1000.0 MiB per 1k tokens)" in out
     assert main(["info"]) == 0  # the embedded model's directory
-    assert "architecture: llada" in capsys.readouterr().out
+    assert "architecture: LLaDAModelLM" in capsys.readouterr().out
     assert main(["info", "--model", "random:llada-8b", "--device", "cpu", "--dtype", "bf16",
                  "--quantization", "fp8"]) == 0
     assert "(9.06 GB in bfloat16 with fp8 projections and their scales)" in capsys.readouterr().out
@@ -82,7 +82,7 @@ def test_demo(capsys):
     assert main(["demo", "--device", "cpu", "--items", "2", "--methods", "parallel",
                  "--tasks", "arith", "passkey"]) == 0
     table = capsys.readouterr().out
-    assert "| parallel | arith | " in table and "| parallel | passkey@256 | 2/2 |" in table
+    assert "| method | arith | passkey@256 | NFE |" in table and "| parallel | " in table and " | 2/2 | " in table
 
 
 def test_eval_on_embedded_task(gqa_checkpoint, tmp_path, capsys):

@@ -11,6 +11,7 @@ from pathlib import Path
 from .cache.routing import POLICIES
 from .decoding.registry import DEFAULT_METHOD, METHODS, method_of
 from .engine.warmup import STEADY_BATCH_SIZES
+from .extras import MissingExtra, require_extra
 from .models.quantization import KV_CACHE_DTYPES, QUANTIZATIONS, kv_dtype_of
 from .sampling_params import DEFAULT_KV_BUDGET, SamplingParams, knobs
 from .tasks import RETRIEVAL_TASKS, TASKS
@@ -270,8 +271,6 @@ def cmd_generate(args) -> int:
 
 
 def cmd_info(args):
-    import torch
-
     from .cache.kv_cache import KVCache
     from .llm import RANDOM_PREFIX, default_model_path, resolve_device, resolve_dtype
     from .models import build_model, config_from_dir, resolve_checkpoint
@@ -405,15 +404,21 @@ def demo_variants() -> dict[str, dict]:
             for label, settings in (method.demo_variants or {method.name: {}}).items()}
 
 
-DEMO_ANSWERS_UP_TO = 3  # items per task up to which demo prints every answer
+DEMO_ITEMS = 4  # held-out items per task: a k/n per method and task, the default methods in a minute on 2 CPU cores
+# One token per forward pass like reference, at its compute (dream) or twice it (lossless, which trades compute for
+# fewer sequential passes): on a CPU, where passes are compute-bound, reference alone is the demo's baseline.
+DEMO_ON_REQUEST = ("lossless", "dream")
+DEMO_EXAMPLES = 2  # tasks whose first item the demo shows with the default method's whole answer
 
 
-def cmd_demo(args):
-    from .markdown import markdown_table
-    from .eval.embedded import run_task
-    from .tasks import answer_length, load_test_set
+def default_demo_methods() -> list[str]:
+    return [label for label in demo_variants() if label not in DEMO_ON_REQUEST]
 
-    llm = llm_from_args(args, max_batch_size=args.batch_size)
+
+def demo_items(args) -> dict[str, list]:
+    """The first --items held-out items of each task (a retrieval task's: those of --prompt-length tokens)."""
+    from .tasks import load_test_set
+
     items = {}
     for task in args.tasks:
         test_set = load_test_set(task)
@@ -424,49 +429,88 @@ def cmd_demo(args):
                                  f"{', '.join(map(str, lengths))} tokens")
             test_set = [item for item in test_set if item.length == args.prompt_length]
         items[task] = test_set[:args.items]
-    rows, answers, variants = [], {}, demo_variants()
+    return items
+
+
+def shortened(text: str, keep: int = 240) -> str:
+    """A long prompt (a retrieval task's filler) as its start and end."""
+    return text if len(text) <= keep else f"{text[:keep // 3]} [...] {text[-2 * keep // 3:]}"
+
+
+def cmd_demo(args):
+    from .eval.embedded import run_task
+    from .markdown import markdown_table
+    from .tasks import answer_length
+
+    items = demo_items(args)  # checked before the model loads
+    llm = llm_from_args(args, max_batch_size=args.batch_size)
+    columns = [task + (f"@{args.prompt_length}" if task in RETRIEVAL_TASKS else "") for task in args.tasks]
+    results, variants = {}, demo_variants()
     for label in args.methods:
         params = {task: SamplingParams(max_tokens=args.max_tokens or answer_length(task),
                                        block_length=args.block_length, **variants[label]) for task in args.tasks}
         if llm.device.type == "cuda":  # kernel compiles and graph captures stay out of the timing; one block does it
             warmup = SamplingParams(max_tokens=args.block_length, block_length=args.block_length, **variants[label])
             llm.generate(items[args.tasks[0]][0].prompt, warmup)
-        for task in args.tasks:
-            r = run_task(llm, task, label, items[task], params[task])
-            answers.setdefault(label, []).extend(f"{'-' if a is None else a} {'ok' if ok else 'wrong'}"
-                                                 for a, ok in zip(r.answers, r.verdicts))
-            rows.append((label, task + (f"@{args.prompt_length}" if task in RETRIEVAL_TASKS else ""),
-                         f"{r.num_correct}/{r.num_items}", f"{100 * r.accuracy:.1f}", f"{r.nfe:.1f}",
-                         f"{r.tokens_per_step:.2f}", f"{r.query_rows_per_step:.0f}", f"{r.tokens_per_s:.1f}"))
-            print(" | ".join(map(str, rows[-1])), file=sys.stderr, flush=True)
-    print(markdown_table(("method", "task", "correct", "accuracy %", "NFE", "tokens/step", "query rows/step",
-                          "tokens/s"), rows))
-    if args.items <= DEMO_ANSWERS_UP_TO:  # too few items for an accuracy to mean much: show what each method said
-        print(f"\nEach method's answer (the value after ####) to each item, against the expected one; "
-              f"--items 50 for accuracies")
-        header = ["method", *(f"{task} #{i} (expected {item.answer})" for task in args.tasks
-                              for i, item in enumerate(items[task]))]
-        print(markdown_table(header, [(label, *cells) for label, cells in answers.items()]))
+        print(f"{label}:", end="", file=sys.stderr, flush=True)  # progress, a task at a time
+        results[label] = []
+        for task, column in zip(args.tasks, columns):
+            results[label].append(r := run_task(llm, task, label, items[task], params[task]))
+            print(f" {column} {r.num_correct}/{r.num_items} ({r.wall_s:.1f} s)", end="", file=sys.stderr, flush=True)
+        print(file=sys.stderr)
+    print(f"Correct answers to {args.items} held-out item{'s' * (args.items > 1)} per task; forward passes (NFE) per "
+          f"item, tokens per denoising step, query rows per step and tokens/s over all tasks:")
+    rows = []
+    for label, rs in results.items():
+        tokens, steps = sum(r.tokens for r in rs), max(1, sum(r.steps for r in rs))
+        rows.append((label, *(f"{r.num_correct}/{r.num_items}" for r in rs),
+                     f"{sum(r.nfe for r in rs) / sum(r.num_items for r in rs):.1f}", f"{tokens / steps:.2f}",
+                     f"{sum(r.query_rows for r in rs) / steps:.0f}", f"{tokens / sum(r.wall_s for r in rs):.1f}"))
+    print(markdown_table(("method", *columns, "NFE", "tokens/step", "query rows/step", "tokens/s"), rows))
+    if args.methods == default_demo_methods():
+        print(f"Not run by default: {', '.join(DEMO_ON_REQUEST)} (one token per forward pass as reference, at up to "
+              f"twice its compute: minutes on a CPU); add them with --methods")
+    shown = DEFAULT_METHOD if DEFAULT_METHOD in results else args.methods[0]
+    for task, r in list(zip(args.tasks, results[shown]))[:DEMO_EXAMPLES]:
+        item = items[task][0]
+        print(f"\n{shown} on {task} #0: {'right' if r.verdicts[0] else 'wrong'} (expected {item.answer})\n"
+              f"prompt: {shortened(item.prompt)}\nanswer: {r.texts[0]}")
 
 
 EVAL_TASKS = ("gsm8k", "math500", "humaneval", "mbpp", "arith", "trace", "passkey", "multikey")
 
 
 def add_eval_args(parser: argparse.ArgumentParser):
-    parser.add_argument("--task", required=True, choices=EVAL_TASKS)
+    parser.add_argument("--task", required=True, choices=EVAL_TASKS,
+                        help="a benchmark, or one of the embedded model's tasks (README's Evaluation)")
     parser.add_argument("--data", help="mbpp: a local jsonl in the standard MBPP format (else the Hugging Face hub)")
     parser.add_argument("--limit", type=at_least(1), help="the first N items only")
     parser.add_argument("--prompt-length", type=at_least(1),
                         help="retrieval tasks (passkey, multikey): the items of this prompt length only")
     parser.add_argument("--batch-size", type=at_least(1), default=32, help="most requests decoded together")
     parser.add_argument("--no-chat-template", action="store_true", help="plain few-shot text prompts")
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
-def check_prompt_length(args):
+def check_eval_args(args):
+    """What an eval or sweep can check before the model loads: --prompt-length, and the task's extra."""
+    from .eval.benchmarks import get_benchmark
+
     if args.prompt_length is not None and args.task not in RETRIEVAL_TASKS:
         raise ValueError(f"--prompt-length selects the items of a retrieval task ({', '.join(RETRIEVAL_TASKS)}); "
                          f"task {args.task!r} has none")
+    get_benchmark(args.task).require()
+
+
+def warn_if_untrained(args):
+    """The embedded model knows only its own tasks: on any other it scores near 0, which the user should know
+    before the run, not after it."""
+    from .llm import default_model_path
+
+    embedded = args.model is None or Path(args.model).resolve() == default_model_path().resolve()
+    if embedded and args.task not in TASKS:
+        print(f"flash-dllm: warning: the embedded model was trained only on {', '.join(TASKS)}; {args.task} will "
+              f"score near 0: load a real checkpoint with --model", file=sys.stderr)
 
 
 def load_eval_llm(args, ctx):
@@ -483,9 +527,11 @@ def cmd_eval(args):
     if args.max_tokens is None:  # the field's generation length for the task
         args.max_tokens = get_benchmark(args.task).max_tokens
     params = sampling_params_from_args(args)
-    check_prompt_length(args)
+    check_eval_args(args)
     ctx = init_from_env(args.tensor_parallel_size)
     try:
+        if ctx.is_main:
+            warn_if_untrained(args)
         llm = load_eval_llm(args, ctx)
         result = evaluate(llm, args.task, params, data=args.data, limit=args.limit, ctx=ctx,
                           length=args.prompt_length, progress=not args.no_progress)
@@ -507,9 +553,12 @@ def cmd_sweep(args):
     max_tokens = args.max_tokens or get_benchmark(args.task).max_tokens
     points = grid(args.methods, values, max_tokens=max_tokens, block_length=args.block_length,
                   temperature=args.temperature, seed=args.seed)
-    check_prompt_length(args)
+    check_eval_args(args)
+    require_extra("eval", "flash-dllm sweep", "matplotlib")  # the plot, drawn after the whole sweep
     ctx = init_from_env(args.tensor_parallel_size)
     try:
+        if ctx.is_main:
+            warn_if_untrained(args)
         llm = load_eval_llm(args, ctx)
         rows = run_sweep(llm, args.task, points, args.out_dir, data=args.data, limit=args.limit, ctx=ctx,
                          progress=not args.no_progress, length=args.prompt_length)
@@ -543,6 +592,7 @@ def step_trace_path(args) -> str | None:
 
 
 def cmd_serve(args):
+    require_extra("serve", "flash-dllm serve", "fastapi", "uvicorn")
     from functools import partial
 
     from .serve.api_server import ServeConfig, listening_socket, serve
@@ -622,6 +672,7 @@ def cmd_bench_mix(args):
 
 
 def cmd_bench_serve(args):
+    require_extra("serve", "flash-dllm bench serve", "httpx")
     from .bench.serve import HEADER, ServeBenchConfig, bench_serve
     from .markdown import markdown_table
 
@@ -694,17 +745,18 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-chat-template", action="store_true", help="encode string prompts as raw text")
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object per request as it finishes, with its index (and error if it failed)")
-    gen.add_argument("--no-progress", action="store_true")
+    gen.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     gen.set_defaults(func=cmd_generate)
 
     demo = sub.add_parser("demo", help="every decoding method on held-out items of the embedded tasks")
     add_model_args(demo)
-    demo.add_argument("--items", type=at_least(1), default=1, help=f"held-out items per task (up to "
-                      f"{DEMO_ANSWERS_UP_TO}, every method's answer to each is shown)")
+    demo.add_argument("--items", type=at_least(1), default=DEMO_ITEMS, help="held-out items per task")
     demo.add_argument("--tasks", nargs="+", default=["arith", "trace", "passkey"], choices=list(TASKS),
                       help="the embedded model's tasks")
-    demo.add_argument("--methods", nargs="+", default=list(demo_variants()), choices=list(demo_variants()),
-                      help="methods and named variants")
+    demo.add_argument("--methods", nargs="+", choices=list(demo_variants()),
+                      default=default_demo_methods(),
+                      help=f"methods and named variants; {', '.join(DEMO_ON_REQUEST)} only when named (one token per "
+                           f"forward pass: minutes on a CPU)")
     demo.add_argument("--prompt-length", type=at_least(1), default=256,
                       help="retrieval tasks: the items of this length")
     demo.add_argument("--max-tokens", type=int, help="generation length (default: the task's, passkey and multikey 32, "
@@ -724,14 +776,15 @@ def build_parser() -> argparse.ArgumentParser:
     sweep = sub.add_parser("sweep", help="a grid of methods and knobs on one task: Pareto plot and table")
     add_model_args(sweep)
     add_eval_args(sweep)
-    sweep.add_argument("--methods", nargs="+", required=True, choices=list(METHODS))
+    sweep.add_argument("--methods", nargs="+", required=True, choices=list(METHODS), help="the methods to compare")
     sweep.add_argument("--max-tokens", type=int, help="generation length (default: the task's)")
     sweep.add_argument("--block-length", type=int, default=32, help=BLOCK_LENGTH_HELP)
     sweep.add_argument("--temperature", type=float, default=0.0, help=TEMPERATURE_HELP)
     sweep.add_argument("--seed", type=int, default=0, help=SEED_HELP)
     values = sweep.add_argument_group("knob values (each varies only for the methods that read it)")
     for name, knob in knobs().items():
-        values.add_argument("--" + name.replace("_", "-"), type=knob.type, nargs="+", metavar=name.upper())
+        values.add_argument("--" + name.replace("_", "-"), type=knob.type, nargs="+", metavar=name.upper(),
+                            help=f"values to try: {knob.help} ({', '.join(knob.defaults)})")
     sweep.add_argument("--out-dir", default="sweep", help="sweep.png, sweep.md, sweep.json and points/*.jsonl")
     sweep.set_defaults(func=cmd_sweep)
 
@@ -837,7 +890,7 @@ def build_parser() -> argparse.ArgumentParser:
     bserve.add_argument("--max-tokens", type=int, help="request field (default: the server's)")
     bserve.add_argument("--temperature", type=float, help="request field (default: the server's)")
     bserve.add_argument("--fields", default="{}", help='other request fields as JSON, e.g. \'{"threshold": 0.8}\'')
-    bserve.add_argument("--api-key")
+    bserve.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY' (the server's --api-key)")
     bserve.add_argument("--mix", action="store_true", help="instead: a seeded mix of prompt lengths, max_tokens, methods "
                         "and routings arriving at --rate (Poisson); TTFT and end-to-end p50/p90/p99 per method, the "
                         "compiles and graph captures after ready")
@@ -868,7 +921,7 @@ def main(argv: list[str] | None = None) -> int:
         return done.code
     try:
         return args.func(args) or 0
-    except (ValueError, OSError) as e:  # the user's input: one line, no traceback
+    except (ValueError, OSError, MissingExtra) as e:  # the user's input or setup: one line, no traceback
         print(f"flash-dllm: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
 from flash_dllm import LLM, RequestOutput, SamplingParams
 from flash_dllm.eval.harness import evaluate, summary_path, wilson_interval, write_result
+from flash_dllm.extras import MissingExtra
 from flash_dllm.tasks import load_test_set
 
 PARAMS = SamplingParams(method="parallel", max_tokens=16, block_length=8)
@@ -76,3 +78,12 @@ def test_passkey_items_of_one_length_and_the_accuracy_interval():
     assert summary["prompt_kv_read"] is None  # no routing
     with pytest.raises(ValueError, match="passkey has items of 256, 512"):
         evaluate(llm, "passkey", PARAMS, length=300, progress=False)
+
+
+def test_a_missing_scorer_module_stops_before_any_generation(monkeypatch):
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # as if math-verify were not installed
+    llm = ScriptedLLM(["#### 1"])
+    with pytest.raises(MissingExtra, match=r"^task math500 needs the eval extra: pip install 'flash-dllm\[eval\]' "
+                                           r"\(missing: math_verify\)$"):
+        evaluate(llm, "math500", PARAMS, progress=False)
+    assert llm.calls == []

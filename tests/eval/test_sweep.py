@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 import json
+import sys
+
+import pytest
 
 from flash_dllm import LLM
 from flash_dllm.eval.sweep import grid, pareto_front, run_sweep
+from flash_dllm.extras import MissingExtra
 
 
 def test_grid_varies_each_knob_only_for_methods_that_read_it():
@@ -37,3 +41,11 @@ def test_sweep_writes_plot_table_and_points(mha_checkpoint, tmp_path):
     assert table.startswith("| method and knobs | # | accuracy % | tokens/s |") and "| dual-cache thr=0.9 | " in table
     assert json.loads((tmp_path / "sweep.json").read_text())[0]["num_items"] == 2
     assert len(list((tmp_path / "points").glob("*.summary.json"))) == 2
+
+
+def test_sweep_without_matplotlib_stops_before_any_point(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    with pytest.raises(MissingExtra, match=r"^the sweep's plot needs the eval extra: pip install 'flash-dllm\[eval\]' "
+                                           r"\(missing: matplotlib\)$"):
+        run_sweep(None, "arith", grid(["parallel"], {}), tmp_path / "sweep")  # no LLM: nothing may run
+    assert not (tmp_path / "sweep").exists()

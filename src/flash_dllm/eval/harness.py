@@ -31,6 +31,7 @@ def evaluate(llm, task: str, params: SamplingParams, *, data: str | None = None,
     time of generation (no warm-up, no scoring); across ranks, over the slowest rank's time. length: a
     retrieval task's items of that prompt length only."""
     benchmark = get_benchmark(task)
+    benchmark.require()
     chat, batch_size = llm.use_chat_template, llm.engine.scheduler.max_batch_size
     examples = shard(benchmark.examples(chat, data, limit, length), ctx)
     if warmup and examples:  # one full batch: kernel compilation and allocations stay out of the timing

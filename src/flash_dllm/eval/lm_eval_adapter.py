@@ -17,6 +17,16 @@ from __future__ import annotations
 import logging
 import sys
 
+from ..extras import MissingExtra, require_extra
+
+try:  # before lm_eval's imports below
+    require_extra("lm-eval", "flash_dllm.eval.lm_eval_adapter", "lm_eval")
+except MissingExtra as missing:
+    if __name__ != "__main__":
+        raise
+    print(f"error: {missing}", file=sys.stderr)  # the command line: one line, not a traceback
+    sys.exit(2)
+
 import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model

@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..extras import require_extra
 from ..markdown import markdown_table
 from ..sampling_params import SamplingParams, knobs
 from .distributed import DistContext
@@ -48,6 +49,7 @@ def run_sweep(llm, task: str, points: list[SweepPoint], out_dir: str | Path, *, 
               length: int | None = None) -> list[dict]:
     """Evaluate every point on the same items (length: a retrieval task's items of that prompt length); rank 0
     writes each point's results, the table and the plot."""
+    require_extra("eval", "the sweep's plot", "matplotlib")  # drawn at the end: missing, say so before the work
     out_dir = Path(out_dir)
     rows = []
     for number, point in enumerate(points):

@@ -36,8 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..llm import LLM
 from .async_engine import Accepted, AsyncEngine, Failed, Finished, Prefix, Rejected, Request, Stats
-from .protocol import (ChatCompletionRequest, CommonRequest, CompletionRequest, ServerDefaults, knobs_read,
-                       sampling_params)
+from .protocol import ChatCompletionRequest, CommonRequest, CompletionRequest, ServerDefaults, sampling_params
 
 if TYPE_CHECKING:
     from .replicas import ReplicaPool
@@ -275,7 +274,7 @@ def build_app(llm: LLM, config: ServeConfig, start_up: Callable[[], None] | None
         """Checked requests for the engine (400 on a bad one), within the queue's bound (429 beyond it)."""
         check_model(body)
         try:
-            if message := body.unsupported(knobs_read(body, config.defaults)):
+            if message := body.unsupported():
                 raise ValueError(message)
             params = sampling_params(body, config.defaults)
         except ValueError as error:

@@ -65,12 +65,12 @@ class CommonRequest(BaseModel):
     kv_budget: float | None = None
     return_token_ids: bool | None = False
 
-    def unsupported(self, reads: set[str]) -> str | None:
-        """The first OpenAI field set to a value we cannot honour, as an error message (`reads`: the knobs of
-        the request's method, which honours e.g. top_p if it reads it)."""
-        neutral = {"n": 1, "top_p": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+    def unsupported(self) -> str | None:
+        """The first OpenAI field set to a value we cannot honour, as an error message (top_p is a knob of the
+        methods that read it: sampling_params)."""
+        neutral = {"n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0}
         for name, value in neutral.items():
-            if name not in reads and getattr(self, name) not in (None, value):
+            if getattr(self, name) not in (None, value):
                 return f"{name}={getattr(self, name)} is not supported (only {value})"
         if self.logit_bias:
             return "logit_bias is not supported"
@@ -161,7 +161,9 @@ def sampling_params(request: CommonRequest, defaults: ServerDefaults) -> Samplin
         raise ValueError(f"method {method!r} is not served here; this server runs {', '.join(defaults.methods)}")
     reads = knobs_read(request, defaults)
     given = {name: value for name, value in defaults.knobs.items() if name in reads} | extras
-    if "top_p" in reads and request.top_p is not None:  # an OpenAI field that some methods read as a knob
+    # An OpenAI field that some methods read as a knob: at its neutral 1 any method takes it; another value for a
+    # method that does not read it is SamplingParams' error, which names the methods that do (as the CLI's).
+    if request.top_p is not None and ("top_p" in reads or request.top_p != 1.0):
         given["top_p"] = request.top_p
     max_tokens = request.max_tokens
     if isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None:
