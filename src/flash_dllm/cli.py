@@ -595,7 +595,7 @@ def cmd_serve(args):
     require_extra("serve", "flash-dllm serve", "fastapi", "uvicorn")
     from functools import partial
 
-    from .serve.api_server import ServeConfig, listening_socket, serve
+    from .serve.api_server import MAX_REQUEST_BYTES, ServeConfig, listening_socket, serve
     from .serve.protocol import ServerDefaults
     from .serve.replicas import ModelFront, ReplicaError, ReplicaPool, replica_devices
 
@@ -605,6 +605,7 @@ def cmd_serve(args):
                          defaults=ServerDefaults(params, given, tuple(args.methods) if args.methods else None,
                                                  graph_batch_sizes=graph_batch_sizes(args)),
                          max_queue=args.max_queue,
+                         max_request_bytes=args.max_request_bytes or MAX_REQUEST_BYTES,
                          api_key=args.api_key,
                          step_trace=step_trace_path(args))
     replicas = args.data_parallel_size
@@ -795,6 +796,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=port, default=8000, help="port to bind (0: any free one)")
     srv.add_argument("--max-batch", type=at_least(1), default=32, help="most requests decoded together")
     srv.add_argument("--max-queue", type=at_least(0), default=256, help="requests waiting beyond the batch before 429")
+    srv.add_argument("--max-request-bytes", type=at_least(1),
+                     help="the largest request body in bytes; a larger one gets a 413 before it is read (default: "
+                          "4 MiB, a 131,072-token prompt at 32 bytes a token)")
     srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*")
     srv.add_argument("--served-model-name", help="the model's id in the API (default: the directory's name)")
     srv.add_argument("--data-parallel-size", type=at_least(1), default=1,

@@ -43,13 +43,15 @@ def serve_process(*flags: str, polls: int = 300) -> tuple[subprocess.Popen, str]
 
 def test_serve_command_answers_and_stops_on_sigint():
     process, url = serve_process("--max-tokens", "32", "--block-length", "8", "--method", "dual-cache",
-                                 "--threshold", "0.8")
+                                 "--threshold", "0.8", "--max-request-bytes", "2000")
     try:
         models = httpx.get(url + "/v1/models").json()["data"]
         assert models[0]["id"] == "default" and models[0]["vocab_size"] > 0 and models[0]["max_model_len"] > 0
         body = httpx.post(url + "/v1/chat/completions", timeout=60,
                           json={"messages": [{"role": "user", "content": "What is 3 + 4?"}]}).json()
         assert body["usage"]["completion_tokens"] <= 32 and body["choices"][0]["message"]["content"]
+        too_large = httpx.post(url + "/v1/completions", json={"prompt": "word " * 500})
+        assert too_large.status_code == 413 and "limit of 2000 bytes" in too_large.json()["error"]["message"]
     finally:
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=30) == 0
