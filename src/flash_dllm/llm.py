@@ -298,9 +298,9 @@ class LLM:
         """At the first use of each method and kind of routing, run `serve`'s warm-up requests of them (through the
         first layer: engine/warmup.py), so that their kernel variants compile here, once, not in the middle of
         decoding. Its time goes to `warm_up_seconds` and the log. CUDA graphs are still captured lazily, at a shape's
-        second sighting: unlike a server's batches, an offline call's repeat its shapes, and the captures pay for
-        themselves within the call (H100, random LLaDA-8B, one request of 256 + 256 tokens: Flash-Verify 4.6 s with
-        them against 7.6 s without, Elastic-Cache 4.4 s against 11.5 s; benchmarks/RESULTS.md)."""
+        second sighting: unlike a server's batches, an offline call's repeat their shapes, and the captures pay for
+        themselves within the call (H100, random LLaDA-8B, one request of 256 + 256 tokens: Flash-Verify 4.4-4.9 s
+        with them against 7.6 s without, Elastic-Cache 4.4-5.3 s against 11.4 s; benchmarks/RESULTS.md)."""
         if not compiles_on_first_use(self.runner) or self.workers is not None:  # the warm-up is one rank's
             return
         for key in dict.fromkeys((p.method, warm_up_routing(p.kv_routing)) for p in params):

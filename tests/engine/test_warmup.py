@@ -167,3 +167,16 @@ def test_generate_warms_each_method_and_routing_at_its_first_use(gqa_checkpoint,
     assert set(llm.warm_up_seconds) == {("flash-cache", None), ("dual-cache", "chunk")}
     assert all(seconds > 0 for seconds in llm.warm_up_seconds.values())
     assert cold.warm_up_seconds == {}  # on the CPU without kernels nothing compiles: no warm-up
+
+
+def test_the_warm_up_keeps_the_graphs_its_cache_allocation_makes(gqa_checkpoint, monkeypatch):
+    """A first use's warm-up allocates the KV cache, which makes the CUDA graphs: they are set aside during the
+    warm-up (a one-layer capture would replay wrong later) and are the runner's after it."""
+    import flash_dllm.engine.model_runner as model_runner
+
+    made = []
+    monkeypatch.setattr(model_runner, "CudaGraphs", lambda forward, device: made.append(object()) or made[-1])
+    llm = LLM(gqa_checkpoint, device="cpu", dtype="float32")
+    llm.runner.cuda_graphs = True  # the CPU runs no graph: the stand-in above is never called
+    warm_up_requests(llm, ("flash-cache",), (None,), prompt_lengths=(16,))
+    assert len(made) == 1 and llm.runner.graphs is made[0]

@@ -279,6 +279,9 @@ def warm_up_requests(llm, methods: tuple[str, ...] | None = None,
     specials = {*llm.special.stop_ids, llm.special.mask_id}
     ids = [i for i in range(16, 16 + 97 + len(specials)) if i not in specials][:97]  # ordinary tokens, any model
     ran = 0
+    cached = [method_of(m) for m in methods if method_of(m).uses_cache]
+    if cached:  # allocated now, not under the warm-up: the graphs it makes are set aside with the others
+        runner.allocate_cache(with_hidden=any(method.caches_hidden_states for method in cached))
     graphs, runner.graphs = runner.graphs, None  # a 1-layer capture would replay wrong later
     try:
         with first_layer_only(llm.model):
