@@ -35,6 +35,16 @@ CORPUS = [
 ] * 20
 
 
+# Cached method -> (its settings that make it exact, the decoding it then equals): the equivalence tests' table
+EXACT = {
+    "prefix-cache": (dict(refresh_interval=1), dict(method="parallel")),
+    "dual-cache": (dict(refresh_interval=1), dict(method="parallel")),
+    "flash-cache": (dict(tracking_budget=200, mask_window=32), dict(method="parallel")),
+    "flash-verify": (dict(tracking_budget=6, mask_window=8, verify_threshold=1.0),
+                     dict(method="flash-cache", tracking_budget=6, mask_window=8)),
+}
+
+
 def eos_biased_llm(path: Path, **kwargs) -> LLM:
     """An fp32 CPU LLM on a random checkpoint whose eos logit is scaled up, so that some requests stop
     early and the early-stop path is exercised."""

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import EXACT
 from test_elastic import window_rule_without_cache
 
 from flash_dllm import LLM, SamplingParams
@@ -46,16 +47,6 @@ def llm(tmp_path_factory) -> LLM:
     assert llm.model.logit_shift == 1
     llm.model.lm_head.weight[llm.special.stop_ids[0]] *= 2.5
     return llm
-
-
-# (method, its settings that make it exact, the decoding it then equals)
-EXACT = {
-    "prefix-cache": (dict(refresh_interval=1), dict(method="parallel")),
-    "dual-cache": (dict(refresh_interval=1), dict(method="parallel")),
-    "flash-cache": (dict(tracking_budget=200, mask_window=32), dict(method="parallel")),
-    "flash-verify": (dict(tracking_budget=6, mask_window=8, verify_threshold=1.0),
-                     dict(method="flash-cache", tracking_budget=6, mask_window=8)),
-}
 
 
 @pytest.mark.parametrize("method, rule", [(method, rule) for method in EXACT

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from conftest import CORPUS
+from conftest import CORPUS, EXACT
 
 from flash_dllm import LLM, SamplingParams
 from flash_dllm.config import PRESETS, AttentionPattern, ModelConfig
@@ -278,16 +278,6 @@ def test_every_method_generates(llm, method):
     for out in outs:
         assert out.error is None and out.finish_reason in ("stop", "length") and isinstance(out.text, str)
         assert all(0 <= t < CONFIG["vocab_size"] and t != llm.special.mask_id for t in out.token_ids)
-
-
-# (method, its settings that make it exact, the decoding it then equals): as tests/decoding/test_shifted.py
-EXACT = {
-    "prefix-cache": (dict(refresh_interval=1), dict(method="parallel")),
-    "dual-cache": (dict(refresh_interval=1), dict(method="parallel")),
-    "flash-cache": (dict(tracking_budget=200, mask_window=32), dict(method="parallel")),
-    "flash-verify": (dict(tracking_budget=6, mask_window=8, verify_threshold=1.0),
-                     dict(method="flash-cache", tracking_budget=6, mask_window=8)),
-}
 
 
 @pytest.mark.parametrize("method", EXACT)
