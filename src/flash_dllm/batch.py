@@ -17,12 +17,13 @@ if TYPE_CHECKING:
 class Counters:
     """A sequence's progress, one tensor each: [B] in a batch, 0-d for a sequence outside one."""
 
-    block_index: torch.Tensor    # current block within the generated region
+    block_index: torch.Tensor    # current block within the generated region (blocks completed)
     step_in_block: torch.Tensor
     steps: torch.Tensor          # denoising steps so far (also the sampling noise counter)
     nfe: torch.Tensor            # forward passes so far
     prompt_keys_read: torch.Tensor   # routed prompt keys read, over passes, layers and KV heads (cache/routing.py)
     prompt_keys_dense: torch.Tensor  # the same had every prompt key been read
+    mask_free_steps: torch.Tensor    # Draft-and-Edit: forwards of the current block that began without a mask
 
     @classmethod
     def zeros(cls, device) -> Counters:
@@ -56,6 +57,11 @@ class RowState:
     @property
     def length(self) -> int:
         return self.tokens.shape[0]
+
+    @property
+    def tail(self) -> int:
+        """Positions after the generation (DecodingMethod.tail_tokens), the same for every row of a batch."""
+        return self.length - self.prompt_length - self.params.max_tokens
 
     @property
     def is_first_pass(self) -> bool:
@@ -92,7 +98,9 @@ class DecodeBatch:
 
     @property
     def gen_start(self) -> int:
-        return self.tokens.shape[1] - self.params.max_tokens
+        """The first generated column (the generation, then any tail its method decodes: every row ends at W)."""
+        return self.tokens.shape[1] - self.params.max_tokens - self.rows[0].tail
+
 
     def frozen_prompt(self, constant) -> torch.Tensor | None:
         """[B, W] bool: the prompt columns of the rows whose prompt KV is routed, frozen between full passes (no

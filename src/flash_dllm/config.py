@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import ClassVar
 from pathlib import Path
 
 # Named configurations for random-weight models (`random:NAME`), in the checkpoint's own config.json format.
@@ -39,6 +40,44 @@ PRESETS["dream-tiny"] = {
     "max_window_layers": 2, "mask_token_id": 3, "eos_token_id": 1, "pad_token_id": 1, "bos_token_id": 1,
 }
 
+
+PRESETS["llada2-mini"] = {
+    "model_type": "llada2_moe", "architectures": ["LLaDA2MoeModelLM"], "hidden_size": 2048, "num_hidden_layers": 20,
+    "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 5120,
+    "moe_intermediate_size": 512, "num_experts": 256, "num_experts_per_tok": 8, "num_shared_experts": 1,
+    "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5, "first_k_dense_replace": 1,
+    "score_function": "sigmoid",
+    "moe_router_enable_expert_bias": True, "norm_topk_prob": True, "use_qk_norm": True, "use_qkv_bias": False,
+    "use_bias": False, "partial_rotary_factor": 0.5, "rope_theta": 600000, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+    "max_position_embeddings": 32768, "vocab_size": 157184, "tie_word_embeddings": False,
+    "mask_token_id": 156895, "eos_token_id": 156892, "pad_token_id": 156892,
+}
+PRESETS["llada2-flash"] = {
+    **PRESETS["llada2-mini"], "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+    "intermediate_size": 9216, "moe_intermediate_size": 1024,
+}
+PRESETS["llada2-tiny"] = {
+    **PRESETS["llada2-mini"], "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 96, "moe_intermediate_size": 32, "num_experts": 8,
+    "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2, "max_position_embeddings": 1024, "vocab_size": 320,
+    "mask_token_id": 3, "eos_token_id": 1, "pad_token_id": 1,
+}
+PRESETS["llada-moe"] = {
+    "model_type": "llada", "architectures": ["LLaDAMoEModelLM"], "hidden_size": 2048, "num_hidden_layers": 16,
+    "num_attention_heads": 16, "num_key_value_heads": 16, "expert_intermediate_size": 1024, "num_experts": 64,
+    "num_experts_per_tok": 8, "moe_layer_freq": [1] * 16, "moe_router_score_function": "softmax",
+    "moe_router_enable_expert_bias": False, "norm_topk_prob": False, "routed_scaling_factor": 1,
+    "shared_expert_intermediate_size": None, "qk_layernorm": True, "partial_rotary_factor": 1, "rope_theta": 50000,
+    "rms_norm_eps": 1e-5, "hidden_act": "silu", "attention_bias": False, "max_position_embeddings": 8192,
+    "vocab_size": 157184, "tie_word_embeddings": False, "mask_token_id": 156895, "eos_token_id": 156892,
+    "pad_token_id": 156892,
+}
+PRESETS["llada-moe-tiny"] = {
+    **PRESETS["llada-moe"], "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 4, "expert_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2,
+    "moe_layer_freq": [1, 1], "max_position_embeddings": 1024, "vocab_size": 320, "mask_token_id": 3,
+    "eos_token_id": 1, "pad_token_id": 1,
+}
 
 ATTENTION_KINDS = ("bidirectional", "block-causal")
 
@@ -93,6 +132,12 @@ class ModelConfig:
     # tokenizer's own settings do not give (tokenizer.special_tokens).
     mask_token: str | None = None
     end_of_turn_tokens: tuple[str, ...] = ()
+    # RoPE over the first rotary_dim entries of each head (None: all of them; LLaDA2 rotates half), after an RMSNorm
+    # over each query and key head where qk_norm (LLaDA2, LLaDA-MoE).
+    rotary_dim: int | None = None
+    qk_norm: bool = False
+    # The fields that tensor parallelism splits across ranks (an architecture's own widths add theirs).
+    split_widths: ClassVar[tuple[str, ...]] = ("intermediate_size",)
 
     def __post_init__(self):
         for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -104,6 +149,14 @@ class ModelConfig:
                              f"({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ValueError(f"config: head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.rotary_dim is not None and not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
+            raise ValueError(f"config: the rotary width must be even and in (0, head_dim={self.head_dim}], got "
+                             f"{self.rotary_dim}")
+
+    @property
+    def rotary_width(self) -> int:
+        """The entries of each head that RoPE rotates (the first ones)."""
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -13,7 +13,8 @@ from flash_dllm.cli import main
 from flash_dllm.config import ATTENTION_KINDS
 from flash_dllm.decoding.base import Settings, check, knob
 from flash_dllm.decoding.block import BlockMethod
-from flash_dllm.decoding.registry import METHODS, register
+from flash_dllm.decoding.block_diffusion import BlockDiffusion
+from flash_dllm.decoding.registry import BLOCK_CAUSAL, METHODS, method_of, register
 from flash_dllm.sampling_params import knobs
 
 
@@ -94,8 +95,14 @@ def test_knobs_belong_to_their_methods(left_to_right):
     assert params.settings == LeftToRightSettings() and params.to_dict()["tokens_per_step"] == 1
 
 
-def test_cached_methods_declare_bidirectional_attention_only():
-    """A cached pass reads each request's whole cache range, whatever the model's attention pattern: a method that
-    runs one admits a block-causal model only once its passes follow the blocks (a full forward already does)."""
-    for method in METHODS.values():
-        assert method.attention_patterns == (("bidirectional",) if method.uses_cache else ATTENTION_KINDS), method.name
+def test_cached_methods_declare_one_attention_pattern():
+    """A cached pass reads each request's whole cache range (bidirectional), or with the block-diffusion methods
+    each block's keys up to its end (block-causal): a cached method declares the one its passes follow; a full
+    forward follows the model's."""
+    for method in [*METHODS.values(), *BLOCK_CAUSAL.values()]:
+        if method.uses_cache:
+            expected = ("block-causal",) if isinstance(method, BlockDiffusion) else ("bidirectional",)
+        else:
+            expected = ATTENTION_KINDS
+        assert method.attention_patterns == expected, method.name
+    assert method_of("parallel", "block-causal") is BLOCK_CAUSAL["parallel"] is not method_of("parallel")

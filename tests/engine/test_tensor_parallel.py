@@ -33,9 +33,11 @@ PROMPTS = [[5, 17, 42, 99, 7], [200, 13, 64, 8, 31, 77, 150, 21, 9, 12, 300], [4
 KNOBS = {"parallel": dict(threshold=0.7), "prefix-cache": dict(threshold=0.7), "dual-cache": dict(threshold=0.7),
          "flash-cache": dict(threshold=0.7, tracking_budget=6, mask_window=8),
          "flash-verify": dict(threshold=0.7, tracking_budget=6, mask_window=8, verify_threshold=0.3),
-         "elastic": dict(threshold=0.7, mask_window=6, drift_threshold=0.95)}
+         "elastic": dict(threshold=0.7, mask_window=6, drift_threshold=0.95),
+         "edit": dict(threshold=0.7, edit_threshold=0.5)}
 CONFIGS = {"llada": {**PRESETS["llada-tiny"], "n_kv_heads": 1, "include_bias": True},
-           "dream": {**PRESETS["dream-tiny"], "num_key_value_heads": 2}}
+           "dream": {**PRESETS["dream-tiny"], "num_key_value_heads": 2},
+           "llada2": PRESETS["llada2-tiny"]}
 OPTIONS = dict(device="cpu", dtype="float32", kv_cache_bytes=1 << 20)
 
 
@@ -64,10 +66,12 @@ def forward_logits(llm, ids: torch.Tensor) -> torch.Tensor:
 
 
 def methods_of(llm: LLM) -> list[str]:
+    if llm.config.attention.kind == "block-causal":
+        return ["parallel", "edit"]
     return [name for name, method in METHODS.items() if method.handles_logit_shift or not llm.model.logit_shift]
 
 
-@pytest.fixture(scope="class", params=["llada", "dream", "llada-invariant", "dream-fp8", "dream-kernels"])
+@pytest.fixture(scope="class", params=["llada", "dream", "llada2", "llada-invariant", "dream-fp8", "dream-kernels"])
 def pair(request, paths):
     """(one process, two ranks) on an architecture's checkpoint (-invariant: with batch_invariant; -fp8: with FP8
     weights; -kernels: the Triton kernels, interpreted), for TestTwoRanks. One tensor-parallel LLM per process at a
@@ -107,7 +111,8 @@ class TestTwoRanks:
         prompts = PROMPTS[:2] if interpreted else PROMPTS
         for method in ("elastic",) if interpreted else methods_of(one) if exact else ("flash-cache",):
             params = SamplingParams(method=method, max_tokens=8 if interpreted else 12,
-                                    block_length=4 if interpreted else 6, **KNOBS.get(method, {}))
+                                    block_length=one.config.attention.block_size or (4 if interpreted else 6),
+                                    **KNOBS.get(method, {}))
             batched = two.generate(prompts, params)
             tokens = [out.token_ids for out in batched]
             assert any(tokens)
@@ -176,9 +181,10 @@ def test_each_rank_loads_exactly_its_slices(paths, name, quantization):
     for tensor, held in parts.items():  # the ranks' parts tile a split tensor (a single KV head: both hold it)
         replicated = None in held or (kv_replicated and (".k_proj." in tensor or ".v_proj." in tensor))
         assert len(held) == (1 if replicated else 2), tensor
-        if not replicated:
-            assert sorted((p.start, p.stop) for p in held)[0][0] == 0
-            assert sorted((p.start, p.stop) for p in held)[-1][1] == next(iter(held)).size
+        if not replicated:  # a fused projection's part is several ranges (Pieces): together they tile it
+            ranges = sorted((r.start, r.stop) for p in held for r in getattr(p, "parts", (p,)))
+            assert ranges[0][0] == 0 and ranges[-1][1] == next(iter(held)).size
+            assert all(stop == start for (_, stop), (start, _) in zip(ranges, ranges[1:])), tensor
 
 
 def test_random_shards_are_slices_of_the_random_model():

@@ -229,7 +229,8 @@ K1 = "model.layers.1.self_attn.k_proj.bias"
 BAD_CHECKPOINTS = {
     "unknown model_type": (set_config(model_type="qwen2"),
                            "config.json: model_type 'qwen2' is not supported (supported: 'llada' (LLaDAModelLM), "
-                           "'Dream' (DreamModel))"),
+                           "'Dream' (DreamModel), 'llada2_moe' (LLaDA2MoeModelLM), 'llada' (LLaDAMoEModelLM, "
+                           "LLaDAMoEModel))"),
     "missing bias": (remove_tensor(K1), f"checkpoint is missing tensors: {K1}"),
     "vocab mismatch": (set_config(vocab_size=400), "tensor 'model.embed_tokens.weight' has shape [320, 64], "
                                                    "but config.json implies [400, 64]"),

@@ -219,9 +219,10 @@ def test_architectures_tell_apart_one_model_type():
     unnamed = {k: v for k, v in llada.items() if k != "architectures"}
     assert architecture_of(unnamed) is LLaDAModel  # none listed: the model_type's first entry
     with pytest.raises(ValueError) as error:
-        parse_config({**CONFIG, "architectures": ["LLaDAMoEModelLM"]})
-    assert str(error.value) == ("config.json: model_type 'llada' with architectures ['LLaDAMoEModelLM'] is not "
-                                "supported (supported: 'llada' (LLaDAModelLM), 'Dream' (DreamModel), "
+        parse_config({**CONFIG, "architectures": ["LLaDA3ModelLM"]})
+    assert str(error.value) == ("config.json: model_type 'llada' with architectures ['LLaDA3ModelLM'] is not "
+                                "supported (supported: 'llada' (LLaDAModelLM), 'Dream' (DreamModel), 'llada2_moe' "
+                                "(LLaDA2MoeModelLM), 'llada' (LLaDAMoEModelLM, LLaDAMoEModel), "
                                 f"'llada' ({NAME}))")
     with pytest.raises(ValueError, match=f"an architecture named '{NAME}' is already registered"):
         register(ToyMoE)

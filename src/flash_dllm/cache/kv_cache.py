@@ -134,11 +134,7 @@ class KVCache:
         """Store k, v [N, kv_heads, head_dim] (rotated K, in the model's dtype) at the layer's rows slot_mapping [N]:
         quantised, with their scales, in an fp8 cache (the PyTorch path's write; the kernels write in their
         epilogues)."""
-        if self.k_scale is None:
-            self.k[layer][slot_mapping], self.v[layer][slot_mapping] = k, v
-            return
-        for values, scale, rows in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
-            values[layer][slot_mapping], scale[layer][slot_mapping] = quantize_rows_ref(rows)
+        store_kv(self.k[layer], self.v[layer], slot_mapping, k, v, **self.scales(layer))
 
     def scales(self, layer: int) -> dict[str, torch.Tensor]:
         """The layer's k_scale and v_scale as keyword arguments of the kernels and their references ({}: K and V
@@ -172,6 +168,17 @@ class KVCache:
             raise ValueError(f"a KV cache budget of {budget_bytes} bytes holds no token ({per_row} bytes per token)")
         return cls(cfg, num_rows, dtype, device, kv_dtype)
 
+
+
+def store_kv(k_out: torch.Tensor, v_out: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None):
+    """Store k, v [N, kv_heads, head_dim] at rows `slots` of k_out, v_out: as they are, or quantised with their
+    scales where k_scale, v_scale are given (an FP8 cache)."""
+    if k_scale is None:
+        k_out[slots], v_out[slots] = k, v
+        return
+    for values, scale, rows in ((k_out, k_scale, k), (v_out, v_scale, v)):
+        values[slots], scale[slots] = quantize_rows_ref(rows)
 
 @dataclass
 class _Range:

@@ -17,6 +17,7 @@ import torch
 
 if TYPE_CHECKING:  # types only: the engine imports decoding/, never the other way round
     from ..batch import DecodeBatch
+    from ..config import ModelConfig
     from ..engine.model_runner import ModelRunner
     from ..sampling_params import SamplingParams
 
@@ -118,6 +119,20 @@ class DecodingMethod:
 
     def validate(self, params: SamplingParams):
         """Checks across the common fields and the settings (ranges of single knobs are the settings')."""
+
+    def check_model(self, config: ModelConfig, params: SamplingParams):
+        """Checks of a request's settings against the model that will run it (a ValueError naming the setting)."""
+
+    def tail_tokens(self, params: SamplingParams) -> int:
+        """Positions after the generation that a sequence's row holds for the method (it decodes them and drops
+        them: a block-causal model's last block is decoded whole)."""
+        return 0
+
+    def editable(self, batch: DecodeBatch) -> torch.Tensor | None:
+        """[B, max_tokens] bool: decoded generated positions whose tokens the method may still change (a row is
+        finished only when the positions up to its first eos/eot are neither masks nor these); None: a decoded
+        token is final."""
+        return None
 
     def steady_pass(self, params: SamplingParams, logit_shift: int) -> tuple[int, bool] | None:
         """(query rows per request, whether its attention mass is tracked) of the cached pass that the method's

@@ -294,7 +294,7 @@ def _reuse_layers(model, cache, kernels: bool, metadata: AttentionMetadata, widt
         t_column, t_valid = leading_columns(tracked, tracked_rows)
         t_position = (t_column - (width - kv_len)[:, None]).clamp(min=0)
         t_slot, t_flat = kv_start[:, None] + t_position, flat_of_column.gather(1, t_column).clamp(min=0)
-        t_cos, t_sin = rotary_cos_sin(t_position, cfg.head_dim, cfg.rope_theta)
+        t_cos, t_sin = rotary_cos_sin(t_position, cfg.rotary_width, cfg.rope_theta)
         key_valid = torch.arange(width, device=device) < kv_len[:, None]
         key_slot = kv_start[:, None] + torch.where(key_valid, torch.arange(width, device=device), 0)
         row_slot = key_slot[row_request, positions]

@@ -1,8 +1,10 @@
 """The table of decoding methods: name -> method. A new method is one module in decoding/ and one entry here
-(or, from outside the package, one `register` call)."""
+(or, from outside the package, one `register` call). A name may mean another method on a block-causal model
+(BLOCK_CAUSAL: `parallel` is then LLaDA2.0's sampler over the exact block cache)."""
 from __future__ import annotations
 
 from .base import DecodingMethod
+from .block_diffusion import DraftAndEdit, LLaDA2Threshold
 from .diffusion_generate import Dream
 from .dual_cache import DualCache
 from .elastic import Elastic
@@ -14,6 +16,7 @@ from .prefix_cache import PrefixCache
 from .reference import Reference
 
 METHODS: dict[str, DecodingMethod] = {}
+BLOCK_CAUSAL: dict[str, DecodingMethod] = {LLaDA2Threshold.name: LLaDA2Threshold()}
 DEFAULT_METHOD = Parallel.name
 
 
@@ -25,11 +28,13 @@ def register(method: type[DecodingMethod]) -> type[DecodingMethod]:
     return method
 
 
-def method_of(name: str) -> DecodingMethod:
+def method_of(name: str, attention: str = "bidirectional") -> DecodingMethod:
+    """The method `name` on a model of `attention` (config.ATTENTION_KINDS)."""
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; choose one of {', '.join(METHODS)}")
-    return METHODS[name]
+    return BLOCK_CAUSAL[name] if attention == "block-causal" and name in BLOCK_CAUSAL else METHODS[name]
 
 
-for _method in (Reference, Parallel, PrefixCache, DualCache, FlashCache, FlashVerify, Elastic, Lossless, Dream):
+for _method in (Reference, Parallel, PrefixCache, DualCache, FlashCache, FlashVerify, Elastic, Lossless, Dream,
+                DraftAndEdit):
     register(_method)

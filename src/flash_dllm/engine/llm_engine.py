@@ -22,6 +22,7 @@ import torch
 from ..batch import Counters, DecodeBatch, RowState
 from ..cache import CacheAllocator
 from ..cache.attention_metadata import device_tensor
+from ..decoding.base import DecodingMethod
 from ..decoding.registry import METHODS, method_of
 from ..sampling_params import SamplingParams
 from ..tokenizer import SpecialTokens
@@ -62,7 +63,7 @@ class LLMEngine:
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         self.check_fits(len(prompt_ids), params)
-        seq = Sequence(next(self._request_ids), list(prompt_ids), params)
+        seq = Sequence(next(self._request_ids), list(prompt_ids), params, self.method(params).tail_tokens(params))
         self.scheduler.add(seq)
         return seq
 
@@ -73,7 +74,7 @@ class LLMEngine:
         if prompt_length + params.max_tokens > max_position:
             raise ValueError(f"prompt of {prompt_length} tokens + max_tokens {params.max_tokens} exceeds the "
                              f"model's maximum sequence length of {max_position}")
-        method = method_of(params.method)
+        method = self.method(params)
         if self.runner.logit_shift and not method.handles_logit_shift:
             able = ", ".join(m.name for m in METHODS.values() if m.handles_logit_shift)
             raise ValueError(f"method {method.name!r} does not handle this model's shifted logits yet; use {able}")
@@ -82,6 +83,7 @@ class LLMEngine:
             able = ", ".join(m.name for m in METHODS.values() if attention.kind in m.attention_patterns)
             raise ValueError(f"method {method.name!r} does not support this model's {attention} attention yet; "
                              f"use {able}")
+        method.check_model(self.runner.model.config, params)
         if params.kv_routing is not None and self.runner.batch_invariant:
             raise ValueError("kv_routing is not batch-invariant yet: its routed attention sums keys in the default "
                              "order; drop kv_routing or batch_invariant")
@@ -89,10 +91,14 @@ class LLMEngine:
             if self.allocator is None:
                 cache = self.runner.allocate_cache(with_hidden=method.caches_hidden_states)
                 self.allocator = CacheAllocator(cache.num_rows)
-            length = prompt_length + params.max_tokens
+            length = prompt_length + params.max_tokens + method.tail_tokens(params)
             if length > self.allocator.num_rows:
                 raise ValueError(f"a sequence of {length} tokens can never fit in a KV cache of "
                                  f"{self.allocator.num_rows} tokens; raise kv_cache_bytes or shorten the request")
+
+    def method(self, params: SamplingParams) -> DecodingMethod:
+        """The method that decodes requests of `params` on this model (registry.method_of: by its attention)."""
+        return method_of(params.method, self.runner.model.config.attention.kind)
 
     @property
     def running(self) -> list[Sequence]:
@@ -131,12 +137,13 @@ class LLMEngine:
             batch = group.batch
             rows = torch.tensor([index for index, _ in wanted], device=self.device)
             counters = torch.stack([batch.counters.steps[rows], batch.counters.nfe[rows]], dim=1)
-            host = torch.cat([batch.tokens[rows, batch.gen_start:], counters], dim=1).tolist()
+            generated = batch.tokens[rows, batch.gen_start:batch.gen_start + batch.params.max_tokens]
+            host = torch.cat([generated, counters], dim=1).tolist()
             found.update({seq: (row[:seq.final_length], row[-2], row[-1]) for row, (_, seq) in zip(host, wanted)})
         return [found.get(seq, ([], 0, 0)) for seq in seqs]
 
     def _reserve(self, seq: Sequence) -> bool:
-        if not method_of(seq.params.method).uses_cache:
+        if not self.method(seq.params).uses_cache:
             return True
         seq.cache_base = self.allocator.allocate(seq.length)
         if seq.cache_base is None and self.allocator.fits_compacted(seq.length):
@@ -199,7 +206,7 @@ class LLMEngine:
 
     def _step(self, group: RunningBatch) -> list[Sequence]:
         self._refresh_batch(group)
-        method, batch = method_of(group.batch.params.method), group.batch
+        method, batch = self.method(group.batch.params), group.batch
         rows = list(batch.rows)
         before = sum(row.query_rows for row in rows)
         try:
@@ -213,12 +220,12 @@ class LLMEngine:
         runner = self.runner
         if not method.replayable:
             method.step(runner, batch)
-            return self._collect_finished(group, *self._finish_state(batch))
+            return self._collect_finished(group, *self._finish_state(method, batch))
         plan = method.plan(runner, batch)
 
         def whole_step():
             method.run(runner, batch, plan)
-            return self._finish_state(batch)
+            return self._finish_state(method, batch)
         if runner.uses_graphs(plan.rows):
             return self._collect_finished(group, *runner.graphs.run(("step", batch.number, method.name, plan),
                                                                     whole_step))
@@ -248,9 +255,9 @@ class LLMEngine:
         if group.batch is not None:
             group.batch.unpack(keep=[not seq.is_finished for seq in group.running])
         for seq in admitted:
-            method = method_of(seq.params.method)
+            method = self.method(seq.params)
             prompt = torch.tensor(seq.prompt_ids, dtype=torch.long, device=self.device)
-            masks = torch.full((seq.params.max_tokens,), self.special.mask_id, device=self.device)
+            masks = torch.full((seq.params.max_tokens + seq.tail,), self.special.mask_id, device=self.device)
             seq.row = RowState(params=seq.params, prompt_length=len(seq.prompt_ids),
                                tokens=torch.cat([prompt, masks]), counters=Counters.zeros(self.device),
                                state=method.initial_state(seq.length, self.device), cache_base=seq.cache_base)
@@ -261,16 +268,21 @@ class LLMEngine:
         group.batch = DecodeBatch.build([seq.row for seq in group.running], self.special.mask_id, self.stop_ids,
                                         self.special.pad_id, number)
 
-    def _finish_state(self, batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _finish_state(self, method: DecodingMethod, batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """On the device, after a step: [4 or 5, B] (finished, block index, step in block, final length, and the
         next query rows where the method sets them) and each row's first eos/eot [B]. A row is finished when
-        every position up to its first eos/eot is decoded, or all are."""
+        every position up to its first eos/eot is final (decoded, and not open to the method's edits), or all
+        are."""
         counters = batch.counters
-        generated = batch.tokens[:, batch.gen_start:]
+        generated = batch.tokens[:, batch.gen_start:batch.gen_start + batch.params.max_tokens]
         length = generated.shape[1]
         index = torch.arange(length, device=self.device)
         first_stop = torch.where(torch.isin(generated, self.stop_ids), index, length).amin(dim=1)
-        first_mask = torch.where(generated == self.special.mask_id, index, length).amin(dim=1)
+        pending = generated == self.special.mask_id
+        editable = method.editable(batch)
+        if editable is not None:
+            pending |= editable
+        first_mask = torch.where(pending, index, length).amin(dim=1)
         finished = (first_stop < first_mask) | (first_mask == length)
         host = [finished.long(), counters.block_index, counters.step_in_block, torch.minimum(first_stop, first_mask)]
         if batch.next_query_rows is not None:
@@ -280,7 +292,7 @@ class LLMEngine:
     def _collect_finished(self, group: RunningBatch, finish_state: torch.Tensor,
                           first_stop: torch.Tensor) -> list[Sequence]:
         batch, counters = group.batch, group.batch.counters
-        generated = batch.tokens[:, batch.gen_start:]
+        generated = batch.tokens[:, batch.gen_start:batch.gen_start + batch.params.max_tokens]
         length = generated.shape[1]
         state = finish_state.tolist()  # the one sync
         for seq, row, block_index, step_in_block, final in zip(group.running, batch.rows, *state[1:4]):

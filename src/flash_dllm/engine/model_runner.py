@@ -215,7 +215,8 @@ class ModelRunner:
 
     def prepare(self, batch: DecodeBatch, counts: list[int], columns: torch.Tensor, order: list[int] | None = None,
                 track: torch.Tensor | None = None, input_ids: torch.Tensor | None = None,
-                visibility: torch.Tensor | None = None, kept: list[int] | None = None) -> CachedPass:
+                visibility: torch.Tensor | None = None, kept: list[int] | None = None,
+                block_size: int | None = None) -> CachedPass:
         """A pass over counts[g] query rows for batch row order[g] (default: g), its columns the first
         counts[g] of columns[g] [G, >= max(counts)]. track [B, W]: the columns whose attention mass the pass
         accumulates. input_ids [G, >= max(counts)]: the rows' tokens, where they are not the batch's.
@@ -223,7 +224,9 @@ class ModelRunner:
         says and none of their own positions in the cache (Flash-Verify's verify pass). kept [G]: the first kept[g]
         rows of group g are computed (they attend like the others, to the cache as it holds their own
         positions) but their K/V go to the cache's scratch row, so the cache keeps what it holds there (the
-        left neighbours that a shifted architecture's logits need, recomputed for their hidden states only)."""
+        left neighbours that a shifted architecture's logits need, recomputed for their hidden states only).
+        block_size: each group is one block of a block-causal model, whose rows attend to the keys up to its end
+        (every earlier block and itself), not to the row's whole range."""
         device, width = batch.tokens.device, batch.tokens.shape[1]
         rows = FlatRows.from_counts(counts, device, self.constant)
         groups = list(range(len(counts))) if order is None else order  # each group's batch row
@@ -241,6 +244,8 @@ class ModelRunner:
         max_kv = max_kv if routed else bucket(max_kv)
         column = columns[rows.request, rows.rank]
         positions = column - (width - batch.lengths)[request]
+        if block_size is not None:
+            kv_len = (positions[rows.cu_seqlens[:-1]] // block_size + 1) * block_size
         options = {}
         if track is not None:
             options["track_rows"] = track[request, column]

@@ -20,6 +20,7 @@ class Sequence:
     request_id: int
     prompt_ids: list[int]
     params: SamplingParams
+    tail: int = 0  # positions after the generation that its method decodes and drops (DecodingMethod.tail_tokens)
     status: SequenceStatus = SequenceStatus.WAITING
     cache_base: int | None = None  # first row of the sequence's range in the KV cache, once admitted
     row: RowState | None = None    # its decoding state while running (in the batch, or between batches)
@@ -35,7 +36,7 @@ class Sequence:
 
     @property
     def length(self) -> int:
-        return len(self.prompt_ids) + self.params.max_tokens
+        return len(self.prompt_ids) + self.params.max_tokens + self.tail
 
     @property
     def is_finished(self) -> bool:

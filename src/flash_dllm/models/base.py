@@ -10,6 +10,7 @@ the benchmarks and the loader use only this interface: `embed`, `layers`, `final
 """
 from __future__ import annotations
 
+import itertools
 from typing import ClassVar, NamedTuple
 
 import torch
@@ -34,12 +35,29 @@ class Shard(NamedTuple):
         return tensor.narrow(self.dim, self.start, self.stop - self.start)
 
 
+class Pieces(NamedTuple):
+    """Several parts of one checkpoint tensor along one dim, concatenated: a rank's part of a fused projection (its
+    query, key and value heads of one q|k|v matrix)."""
+    parts: tuple[Shard, ...]
+
+    @property
+    def dim(self) -> int:
+        return self.parts[0].dim
+
+    @property
+    def size(self) -> int:
+        return self.parts[0].size
+
+    def of(self, tensor: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part.of(tensor) for part in self.parts], dim=self.dim)
+
+
 class Placement(NamedTuple):
-    """Where a checkpoint tensor goes: the parameter, its rows that the tensor fills (None: all), and the part of
-    the tensor this rank loads (None: all of it)."""
+    """Where a checkpoint tensor goes: the parameter, the index of its part that the tensor fills (rows, or one
+    expert's rows of a stack; None: all), and the part of the tensor this rank loads (None: all of it)."""
     param: str
-    rows: slice | None
-    shard: Shard | None = None
+    rows: slice | tuple | None
+    shard: Shard | Pieces | None = None
 
 
 def refuse_unsupported(cfg: dict, implemented: dict):
@@ -59,9 +77,11 @@ class DiffusionLM(nn.Module):
     # tokenizer.json (None: tokenizer.json only).
     vocab_merges_tokenizer: ClassVar[str | None] = None
     # Generic module -> checkpoint tensor prefix. Keys: "embed", "final_norm", "lm_head", "layer" (with {i}),
-    # and per layer "attn_norm", "attention.qkv_proj", "attention.o_proj", "mlp_norm", and each module of the
-    # layer's feed-forward block under "mlp." ("mlp.gate_up_proj", "mlp.down_proj" for the gated MLP); a packed
-    # projection maps to one name per shard.
+    # and per layer "attn_norm", "attention.qkv_proj" (and "attention.q_norm", "attention.k_norm" with qk_norm),
+    # "attention.o_proj", "mlp_norm", and each module of the layer's feed-forward block under "mlp."
+    # ("mlp.gate_up_proj", "mlp.down_proj" for the gated MLP); a packed projection maps to one name per matrix, or
+    # to one name where the checkpoint keeps them fused. A module that names its own tensors
+    # (`checkpoint_placements`, as models/moe.py's experts) maps to its prefix.
     checkpoint_names: ClassVar[dict[str, str | tuple[str, ...]]]
 
     @classmethod
@@ -112,7 +132,7 @@ class DiffusionLM(nn.Module):
         B, L = input_ids.shape
         if positions is None:
             positions = torch.arange(L, device=input_ids.device).expand(B, L)
-        cos, sin = rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
+        cos, sin = rotary_cos_sin(positions, self.config.rotary_width, self.config.rope_theta)
         attn_mask = self.visible_keys(positions, attention_mask)
         x = self.embed(input_ids)
         for layer in self.layers:
@@ -164,18 +184,28 @@ class DiffusionLM(nn.Module):
                 prefix, target = names["layer"].format(i=index) + ".", names[inner]
             else:
                 prefix, inner, target = "", module_name, names[module_name]
-            if isinstance(target, tuple):  # a packed projection (PackedLinear, or Fp8Linear with output_sizes)
-                module = self.get_submodule(module_name)
+            module = self.get_submodule(module_name)
+            if hasattr(module, "checkpoint_placements"):  # it maps its own tensors (stacked experts)
+                for name, (index, shard) in module.checkpoint_placements(kind).items():
+                    layout[f"{prefix}{target}.{name}"] = Placement(param_name, index or None, shard)
+            elif isinstance(target, tuple):  # a packed projection (PackedLinear, or Fp8Linear with output_sizes)
                 for shard, shard_name in enumerate(target):
                     layout[f"{prefix}{shard_name}.{kind}"] = Placement(param_name, module.rows(shard),
-                                                                       self._shard(inner, kind, shard))
+                                                                       self._shard(inner, kind, module, shard))
+            elif len(getattr(module, "output_sizes", ())) > 1:  # a packed projection stored fused
+                parts = [self._shard(inner, kind, module, shard) for shard in range(len(module.output_sizes))]
+                fused = None if parts[0] is None else Pieces(tuple(
+                    Shard(0, part.start + offset, part.stop + offset, sum(p.size for p in parts))
+                    for part, offset in zip(parts, itertools.accumulate([0] + [p.size for p in parts[:-1]]))))
+                layout[f"{prefix}{target}.{kind}"] = Placement(param_name, None, fused)
             else:
-                layout[f"{prefix}{target}.{kind}"] = Placement(param_name, None, self._shard(inner, kind))
+                layout[f"{prefix}{target}.{kind}"] = Placement(param_name, None, self._shard(inner, kind, module))
         return layout
 
-    def _shard(self, module: str, kind: str, packed: int = 0) -> Shard | None:
-        """This rank's part of a checkpoint tensor of the generic module (`packed`: which of a packed projection's
-        matrices), or None where every rank holds all of it."""
+    def _shard(self, module: str, kind: str, layer_module: nn.Module, packed: int = 0) -> Shard | None:
+        """This rank's part of a checkpoint tensor of the generic module `module` (layer_module: the module itself,
+        whose widths are the rank's; `packed`: which of a packed projection's matrices), or None where every rank
+        holds all of it."""
         tp, cfg = self.tp, self.config
         if tp.size == 1:
             return None
@@ -186,11 +216,12 @@ class DiffusionLM(nn.Module):
         if module == "attention.qkv_proj":
             heads = tp.part(cfg.num_heads) if packed == 0 else tp.kv_heads(cfg.num_kv_heads)
             return Shard(0, heads.start * head_dim, heads.stop * head_dim, q_size if packed == 0 else kv_size)
-        if module == "mlp.gate_up_proj":
-            features = tp.part(cfg.intermediate_size)
-            return Shard(0, features.start, features.stop, cfg.intermediate_size)
-        if module in ("attention.o_proj", "mlp.down_proj") and kind == "weight":  # row-parallel: input columns
-            size = q_size if module == "attention.o_proj" else cfg.intermediate_size
+        if module.endswith("gate_up_proj"):  # the gated MLP's, or a shared expert's, column-parallel features
+            size = layer_module.output_sizes[0] * tp.size
+            features = tp.part(size)
+            return Shard(0, features.start, features.stop, size)
+        if kind == "weight" and (module == "attention.o_proj" or module.endswith("down_proj")):  # row-parallel
+            size = q_size if module == "attention.o_proj" else layer_module.in_features * tp.size
             features = tp.part(size)
             return Shard(1, features.start, features.stop, size)
         return None  # the norms, and the row-parallel biases (added once, after the sum)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache.attention_metadata import AttentionMetadata
-from ..cache.kv_cache import KVCache
+from ..cache.kv_cache import KVCache, store_kv
 from ..config import ModelConfig
 from ..cache.routing import CHUNK, count_in_full, route, update_kmeans
 from ..kernels.attention import ordered_attention_in_chunks, ragged_attention_ref
@@ -113,18 +113,21 @@ class Rotary(NamedTuple):
 
     @classmethod
     def at(cls, positions: torch.Tensor, cfg: ModelConfig) -> Rotary:
-        return cls(positions, *rotary_cos_sin(positions, cfg.head_dim, cfg.rope_theta))
+        return cls(positions, *rotary_cos_sin(positions, cfg.rotary_width, cfg.rope_theta))
 
     def __getitem__(self, rows):  # the same rows of all three
         return Rotary(*(t[rows] for t in tuple(self)))
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [..., H, D]; cos, sin [..., D]. Rotation in fp32, result in x's dtype."""
-    x32 = x.float()
+    """x [..., H, D]; cos, sin [..., R] with R <= D: the first R entries of each head rotated (rotate-half layout),
+    the others passed through. Rotation in fp32, result in x's dtype."""
+    width = cos.shape[-1]
+    x32 = x[..., :width].float()
     x1, x2 = x32.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
-    return (x32 * cos.unsqueeze(-2) + rotated * sin.unsqueeze(-2)).to(x.dtype)
+    out = (x32 * cos.unsqueeze(-2) + rotated * sin.unsqueeze(-2)).to(x.dtype)
+    return out if width == x.shape[-1] else torch.cat([out, x[..., width:]], dim=-1)
 
 
 class Attention(nn.Module):
@@ -141,6 +144,24 @@ class Attention(nn.Module):
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = PackedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.linear_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, bias=False)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, bias=False)
+        self.qk_norm = cfg.qk_norm
+        # The fused QKV + RoPE + cache-write kernels rotate whole heads of the raw projection; a model that norms q
+        # and k first, or rotates part of each head, runs its GEMM, then the norms and RoPE, then the cache write.
+        self.fused_rope = not cfg.qk_norm and cfg.rotary_width == cfg.head_dim
+
+    def heads(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernels: bool = False):
+        """The packed projection's output qkv [..., q|k|v] -> the rotated q [..., H, D], k [..., Hkv, D] and v:
+        each query and key head RMS-normed first where the model says so."""
+        q, k, v = qkv.split(self.qkv_proj.output_sizes, dim=-1)
+        q = q.unflatten(-1, (self.num_heads, self.head_dim))
+        k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        if self.qk_norm:
+            q, k = self.q_norm(q, kernels), self.k_norm(k, kernels)
+        return (apply_rotary(q, cos, sin), apply_rotary(k, cos, sin),
+                v.unflatten(-1, (self.num_kv_heads, self.head_dim)))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn_mask: torch.Tensor | None, ordered: bool = False, kernels: bool = False) -> torch.Tensor:
@@ -149,10 +170,7 @@ class Attention(nn.Module):
         Triton kernels (the invariant GEMM, and the flash attention kernel over each row's own keys)."""
         B, L, _ = x.shape
         invariant = ordered and kernels
-        q, k, v = project(self.qkv_proj, x, invariant).split(self.qkv_proj.output_sizes, dim=-1)
-        q = apply_rotary(q.view(B, L, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(B, L, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(B, L, self.num_kv_heads, self.head_dim)
+        q, k, v = self.heads(project(self.qkv_proj, x, invariant), cos, sin, invariant)
         if invariant:
             out = self._kernel_full_attention(q, k, v, attn_mask)
             return row_parallel(self.o_proj, out.reshape(B, L, -1), invariant, self.tp)
@@ -185,8 +203,8 @@ class Attention(nn.Module):
 
     def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         """The rotated queries [..., H, D] of normed hidden states x [..., d] (no cache access)."""
-        q = project(self.qkv_proj, x, invariant, self.qkv_proj.rows(0))
-        return apply_rotary(q.unflatten(-1, (self.num_heads, self.head_dim)), cos, sin)
+        q = project(self.qkv_proj, x, invariant, self.qkv_proj.rows(0)).unflatten(-1, (self.num_heads, self.head_dim))
+        return apply_rotary(self.q_norm(q, invariant, invariant) if self.qk_norm else q, cos, sin)
 
     def forward_cached(self, x: torch.Tensor, rope: Rotary, metadata: AttentionMetadata, cache: KVCache,
                        key_mass: torch.Tensor | None, kernels: bool) -> torch.Tensor:
@@ -196,10 +214,7 @@ class Attention(nn.Module):
             out = self._kernel_attention(x, rope, metadata, cache, key_mass).flatten(1)
             return row_parallel(self.o_proj, out, metadata.ordered, self.tp)
         N = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
-        q = apply_rotary(q.view(N, self.num_heads, self.head_dim), rope.cos, rope.sin)
-        k = apply_rotary(k.view(N, self.num_kv_heads, self.head_dim), rope.cos, rope.sin)
-        v = v.view(N, self.num_kv_heads, self.head_dim)
+        q, k, v = self.heads(self.qkv_proj(x), rope.cos, rope.sin)
         if metadata.write_cache:
             cache.write(self.layer, metadata.slot_mapping, k, v)
         own = {} if metadata.write_cache else dict(k_new=k, v_new=v)
@@ -243,15 +258,25 @@ class Attention(nn.Module):
         """The QKV projection, RoPE and cache write, then the flash attention. With an FP8 cache (cache.scales) the
         writers quantise K and V and the attention reads them with their scales."""
         k_cache, v_cache, scales = cache.k[self.layer], cache.v[self.layer], cache.scales(self.layer)
-        if isinstance(x, Fp8Rows):  # the FP8 GEMM, then RoPE and the cache write scaling its product
+        if not self.fused_rope:  # the GEMM, the norms and RoPE, then the cache write
+            qkv = (dequantize_ref(self.qkv_proj.product(x), self.qkv_proj.dtype) if isinstance(x, Fp8Rows)
+                   else project(self.qkv_proj, x, metadata.ordered))
+
+            def write_qkv(slots, k_out, v_out, **out_scales):
+                q, k, v = self.heads(qkv, rope.cos, rope.sin, kernels=True)
+                store_kv(k_out, v_out, slots, k, v, **out_scales)
+                return q
+        elif isinstance(x, Fp8Rows):  # the FP8 GEMM, then RoPE and the cache write scaling its product
             qkv = self.qkv_proj.product(x)
-            write_qkv = lambda slots, k_out, v_out, **out_scales: rope_cache_write(
-                qkv.values, rope.positions, slots, k_out, v_out, self.num_heads, self.rope_theta,
-                dequant=(qkv.row_scale, qkv.col_scale), bias=qkv.bias, **out_scales)
+
+            def write_qkv(slots, k_out, v_out, **out_scales):
+                return rope_cache_write(qkv.values, rope.positions, slots, k_out, v_out, self.num_heads,
+                                        self.rope_theta, dequant=(qkv.row_scale, qkv.col_scale), bias=qkv.bias,
+                                        **out_scales)
         else:
-            write_qkv = lambda slots, k_out, v_out, **out_scales: qkv_rope(
-                x, self.qkv_proj.weight, self.qkv_proj.bias, rope.positions, slots, k_out, v_out, self.num_heads,
-                self.rope_theta, invariant=metadata.ordered, **out_scales)
+            def write_qkv(slots, k_out, v_out, **out_scales):
+                return qkv_rope(x, self.qkv_proj.weight, self.qkv_proj.bias, rope.positions, slots, k_out, v_out,
+                                self.num_heads, self.rope_theta, invariant=metadata.ordered, **out_scales)
         if metadata.write_cache:
             q = write_qkv(metadata.slot_mapping, k_cache, v_cache, **scales)
             return flash_attention(q, k_cache, v_cache, metadata, key_mass, **self._routed(q, cache, metadata, True),
@@ -273,11 +298,13 @@ MLP_CHUNK_ROWS = 8192
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)), gate and up packed into one projection."""
 
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, intermediate_size: int | None = None):
+        """intermediate_size: the rank's width (default cfg.intermediate_size; a shared expert's is its own)."""
         super().__init__()
         self.tp = tp
-        self.gate_up_proj = PackedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=cfg.linear_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.linear_bias)
+        inter = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = PackedLinear(cfg.hidden_size, [inter] * 2, bias=cfg.linear_bias)
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=cfg.linear_bias)
 
     def forward(self, x: torch.Tensor, kernels: bool = False, invariant: bool = False) -> torch.Tensor:
         """`invariant`: the batch-invariant GEMMs (with the kernels on)."""
@@ -333,6 +360,8 @@ class DecoderLayer(nn.Module):
         SiLU, the residual adds, the first fused with the MLP's norm). The feed-forward block gives `forward_fp8`."""
         norm = lambda module, rows, residual=None: rms_norm_fp8(rows, module.weight, module.bias, module.eps, residual)
         attended = self.attention.forward_cached_fp8(norm(self.attn_norm, x)[1], rope, metadata, cache, key_mass)
+        if not hasattr(self.mlp, "forward_fp8"):  # experts (models/moe.py) read the normed rows in the model's dtype
+            return self._mlp_residual(add_dequantized(x, attended), True, False)
         parts = []
         for start in range(0, x.shape[0], MLP_CHUNK_ROWS):  # as _mlp_residual
             rows = slice(start, start + MLP_CHUNK_ROWS)

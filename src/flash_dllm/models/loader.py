@@ -15,10 +15,12 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..config import PRESETS, ModelConfig, read_config_json
-from .base import DiffusionLM, Placement, Shard
+from .base import DiffusionLM, Pieces, Placement, Shard
 from .dream import DreamModel
 from .layers import RMSNorm
 from .llada import LLaDAModel
+from .llada2 import LLaDA2Model
+from .llada_moe import LLaDAMoEModel
 from .parallel import TensorParallel
 from .quantization import Fp8Linear, check_quantization, quantize_linears
 
@@ -39,7 +41,7 @@ def register(cls: type[DiffusionLM]) -> type[DiffusionLM]:
     return cls
 
 
-for _architecture in (LLaDAModel, DreamModel):
+for _architecture in (LLaDAModel, DreamModel, LLaDA2Model, LLaDAMoEModel):
     register(_architecture)
 
 
@@ -190,9 +192,14 @@ def load_weights(model: DiffusionLM, files: list[Path], device: str | torch.devi
                     raise ValueError(f"{file.name}: tensor {name!r} has shape {list(shape)}, "
                                      f"but config.json implies {list(expected)}")
 
-                def read(shard: Shard | None, f=f, name=name, file=file) -> torch.Tensor:
-                    tensor = f.get_tensor(name) if shard is None else \
-                        f.get_slice(name)[(slice(None),) * shard.dim + (slice(shard.start, shard.stop),)]
+                def read(shard: Shard | Pieces | None, f=f, name=name, file=file) -> torch.Tensor:
+                    if shard is None:
+                        tensor = f.get_tensor(name)
+                    else:
+                        parts = shard.parts if isinstance(shard, Pieces) else (shard,)
+                        tensor = torch.cat([f.get_slice(name)[(slice(None),) * part.dim + (slice(part.start,
+                                                                                                  part.stop),)]
+                                            for part in parts], dim=shard.dim)
                     if not tensor.is_floating_point():
                         raise ValueError(f"{file.name}: tensor {name!r} has dtype {tensor.dtype}, expected floating "
                                          f"point")
@@ -226,10 +233,15 @@ def _place(model: DiffusionLM, params: dict[str, torch.Tensor], placement: Place
     cast or quantised. Returns its count of NaN or inf values after the cast, on the device."""
     module_name, _, kind = placement.param.rpartition(".")
     module, shard = model.get_submodule(module_name), placement.shard
-    if isinstance(module, Fp8Linear) and kind == "weight":
+    linear = isinstance(module, Fp8Linear) and kind == "weight"
+    if linear or kind in getattr(module, "fp8_params", ()):
         row_parallel = shard is not None and shard.dim == 1  # each output channel's scale from its whole row
         tensor = read(None if row_parallel else shard)
-        module.set_weight(tensor, placement.rows, slice(shard.start, shard.stop) if row_parallel else None)
+        columns = slice(shard.start, shard.stop) if row_parallel else None
+        if linear:
+            module.set_weight(tensor, placement.rows, columns)
+        else:
+            module.set_fp8(kind, tensor, placement.rows, columns)
         return torch.isfinite(tensor).logical_not().sum()
     param = params[placement.param]
     target = param if placement.rows is None else param[placement.rows]
@@ -263,9 +275,12 @@ def random_model(spec: str, device: str | torch.device, dtype: torch.dtype, seed
                 param.zero_()
             elif isinstance(module, RMSNorm):
                 param.fill_(1.0)
-            elif isinstance(module, Fp8Linear):
-                module.set_weight(torch.empty(param.shape, dtype=dtype, device=device).normal_(0.0, std,
-                                                                                               generator=generator))
+            elif isinstance(module, Fp8Linear) or name in getattr(module, "fp8_params", ()):
+                drawn = torch.empty(param.shape, dtype=dtype, device=device).normal_(0.0, std, generator=generator)
+                if isinstance(module, Fp8Linear):
+                    module.set_weight(drawn)
+                else:
+                    module.set_fp8(name, drawn, None)
             else:
                 param.normal_(0.0, std, generator=generator)
     return model

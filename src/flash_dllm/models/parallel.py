@@ -144,7 +144,7 @@ def valid_sizes(cfg: ModelConfig) -> list[int]:
     """The tensor-parallel sizes this model splits into: each rank the same number of query heads, of KV heads (or
     one KV head shared by size / num_kv_heads ranks), of MLP features and of vocabulary rows."""
     return [n for n in range(1, cfg.num_heads + 1)
-            if not (cfg.num_heads % n or cfg.intermediate_size % n or cfg.vocab_size % n)
+            if not (cfg.num_heads % n or cfg.vocab_size % n or any(getattr(cfg, f) % n for f in cfg.split_widths))
             and (cfg.num_kv_heads % n == 0 or n % cfg.num_kv_heads == 0)]
 
 
@@ -154,7 +154,8 @@ def check_size(cfg: ModelConfig, size: int):
     sizes = valid_sizes(cfg)
     if size not in sizes:
         raise ValueError(f"tensor_parallel_size={size} does not split this model ({cfg.num_heads} heads, "
-                         f"{cfg.num_kv_heads} KV heads, {cfg.intermediate_size} MLP features, vocabulary "
+                         f"{cfg.num_kv_heads} KV heads, feed-forward widths "
+                         f"{', '.join(f'{f}={getattr(cfg, f)}' for f in cfg.split_widths)}, vocabulary "
                          f"{cfg.vocab_size}); valid sizes: {', '.join(map(str, sizes))}")
 
 
@@ -166,7 +167,7 @@ def shard_config(cfg: ModelConfig, tp: TensorParallel) -> ModelConfig:
     check_size(cfg, tp.size)
     kv = tp.kv_heads(cfg.num_kv_heads)
     return dataclasses.replace(cfg, num_heads=cfg.num_heads // tp.size, num_kv_heads=kv.stop - kv.start,
-                               intermediate_size=cfg.intermediate_size // tp.size)
+                               **{f: getattr(cfg, f) // tp.size for f in cfg.split_widths})
 
 
 class VocabParallelEmbedding(nn.Embedding):

@@ -95,10 +95,12 @@ class Fp8Linear(nn.Module):
 
 
 def quantize_linears(model: nn.Module) -> nn.Module:
-    """Replace every nn.Linear of the model's decoder layers (not its LM head) by an Fp8Linear of the same shape, on
-    the model's device (meta before loading)."""
+    """Replace every nn.Linear of the model's decoder layers (not its LM head) by an Fp8Linear of the same shape, and
+    hold stacked experts in FP8 (`quantize_experts`), on the model's device (meta before loading)."""
     for layer in model.layers:
         for name, module in list(layer.named_modules()):
+            if hasattr(module, "quantize_experts"):
+                module.quantize_experts()
             if isinstance(module, nn.Linear):
                 parent, _, attribute = name.rpartition(".")
                 with torch.device(module.weight.device):

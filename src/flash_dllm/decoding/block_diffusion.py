@@ -1,0 +1,190 @@
+"""Block diffusion on a block-causal model (LLaDA2.x): the exact block cache, with LLaDA2.0's threshold sampler
+(`parallel` on such a model) and LLaDA2.1's Draft-and-Edit (`edit`).
+
+The model's blocks are aligned from position 0 and a position attends to its own block and the ones before, so a
+finished block's K/V never change. A sequence is decoded from the block that holds its prompt's end (the prompt
+tokens there are fixed inputs) to the block that holds its last generated position, decoded whole: the positions
+after the generation are masks like the others and are dropped (`tail_tokens`). Each step's pass computes the
+current block's rows only, against the cache of every earlier block; the step after a block ends also writes that
+block's K/V from its final tokens (one more group of rows in the same pass), and the first step writes the prompt's
+whole blocks, each group of rows attending up to its own block's end. The published generate() re-runs the whole
+prefix every step: the same tokens, for a block's work.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from .base import DecodingMethod, Settings, StepPlan, check, knob
+from .parallel import ParallelSettings
+from .sampling import sample_tokens
+from .transfer import linear_schedule, transfer_top_k
+
+if TYPE_CHECKING:
+    from ..batch import DecodeBatch
+    from ..config import ModelConfig
+    from ..engine.model_runner import ModelRunner
+    from ..sampling_params import SamplingParams
+
+# A group of a step's pass: (its batch row, "prompt" | "commit" | "current", the block's first position for a
+# prompt block).
+PROMPT, COMMIT, CURRENT = "prompt", "commit", "current"
+
+
+class BlockDiffusion(DecodingMethod):
+    """The exact block cache of a block-causal model; subclasses give the rule (`transfer`)."""
+
+    uses_cache = True
+    replayable = True
+    attention_patterns = ("block-causal",)
+
+    def check_model(self, config: ModelConfig, params: SamplingParams):
+        block = config.attention.block_size
+        check(params.block_length == block, f"block_length must be {block} on this model (its attention's blocks), "
+                                            f"got {params.block_length}")
+        check(params.kv_routing is None, f"kv_routing is not supported by method {self.name!r} on a block-causal "
+                                         f"model yet")
+
+    def tail_tokens(self, params: SamplingParams) -> int:
+        return params.block_length  # at most a block's positions past the generation: the same for every row
+
+    def plan(self, runner: ModelRunner, batch: DecodeBatch) -> StepPlan:
+        """Per row: its prompt's whole blocks at its first step, the block that ended at its last step, and its
+        current block; each a group of block_length rows."""
+        size = batch.params.block_length
+        groups, counts = [], []
+        for b, row in enumerate(batch.rows):
+            mine = [(b, CURRENT, 0)]
+            if row.is_first_pass:
+                mine = [(b, PROMPT, j * size) for j in range(row.prompt_length // size)] + mine
+            elif row.step_in_block == 0:
+                mine = [(b, COMMIT, 0)] + mine
+            groups += mine
+            counts.append(len(mine) * size)
+        batch.count_query_rows(counts)
+        return StepPlan((size,) * len(groups), tuple(groups))
+
+    def block_start(self, runner: ModelRunner, batch: DecodeBatch) -> torch.Tensor:
+        """[B] the first position of each row's current block."""
+        size = batch.params.block_length
+        prompt = runner.constant([row.prompt_length for row in batch.rows])
+        return (prompt // size + batch.counters.block_index) * size
+
+    def run(self, runner: ModelRunner, batch: DecodeBatch, plan: StepPlan):
+        size, groups = batch.params.block_length, plan.extra
+        first_column = batch.tokens.shape[1] - batch.lengths  # [B] the column of position 0
+        start = self.block_start(runner, batch)
+        order = [b for b, _, _ in groups]
+        order_t = runner.constant(order)
+        shift = runner.constant([-size if kind == COMMIT else 0 for _, kind, _ in groups])
+        fixed = runner.constant([position if kind == PROMPT else -1 for _, kind, position in groups])
+        group_start = torch.where(fixed >= 0, fixed, start[order_t] + shift)
+        offsets = torch.arange(size, device=start.device)
+        columns = (first_column[order_t] + group_start)[:, None] + offsets
+        p = runner.prepare(batch, list(plan.counts), columns, order=order, block_size=size)
+        hidden = runner.run(p)
+        positions = start[:, None] + offsets  # [B, size] the current block
+        block_columns = first_column[:, None] + positions
+        logits = runner.logits(hidden, p.flat_of_column, block_columns)
+        generated = positions - runner.constant([row.prompt_length for row in batch.rows])[:, None]
+        candidates, confidence = sample_tokens(logits, batch.temperature, batch.seed, batch.counters.steps,
+                                               generated.clamp(min=0), sample=batch.is_sampling,
+                                               mask_id=batch.mask_id, kernels=runner.kernels)
+        block = batch.tokens.gather(1, block_columns)
+        changed, block_done = self.transfer(batch, block, candidates, confidence, generated >= 0)
+        batch.tokens.scatter_(1, block_columns, torch.where(changed, candidates, block))
+        counters = batch.counters
+        counters.nfe += 1
+        counters.steps += 1
+        counters.block_index += block_done.long()
+        counters.step_in_block.copy_(torch.where(block_done, 0, counters.step_in_block + 1))
+
+    def transfer(self, batch: DecodeBatch, block: torch.Tensor, candidates: torch.Tensor, confidence: torch.Tensor,
+                 generated: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """block [B, n] the current block's tokens, candidates and confidence [B, n] (float64), generated [B, n]
+        True past the prompt -> (the positions that take their candidate [B, n], whether the block ended [B])."""
+        raise NotImplementedError
+
+
+class LLaDA2Threshold(BlockDiffusion):
+    """LLaDA2.0's sampler: per step a quota of the block (its published steps rule: min(block_length, max_tokens)
+    steps, the block spread evenly over them, the first ones one more); every mask whose confidence is strictly
+    above `threshold` is filled if they are at least the quota, else the quota's most confident."""
+
+    name = "parallel"
+    Settings = ParallelSettings
+
+    def check_model(self, config: ModelConfig, params: SamplingParams):
+        super().check_model(config, params)
+        check(params.settings.factor is None, "factor is not LLaDA2's rule: method 'parallel' on a block-causal "
+                                              "model fills by threshold (drop factor)")
+
+    def transfer(self, batch, block, candidates, confidence, generated):
+        params = batch.params
+        masked = block == batch.mask_id
+        steps = min(params.block_length, params.max_tokens)
+        quota = linear_schedule(torch.full_like(batch.counters.steps, params.block_length),
+                                torch.full_like(batch.counters.steps, steps), batch.counters.step_in_block)
+        confidence = confidence.masked_fill(~masked, float("-inf"))
+        above = masked & (confidence > batch.rule_value[:, None])
+        fill = torch.where((above.sum(dim=1) >= quota)[:, None], above, transfer_top_k(confidence, masked, quota))
+        return fill, ~(masked & ~fill).any(dim=1)
+
+
+@dataclass(frozen=True)
+class EditSettings(Settings):
+    threshold: float = knob(0.95, "confidence in [0, 1] strictly above which a mask is filled (at least one per "
+                                  "forward)", symbol="thr")
+    edit_threshold: float = knob(0.9, "confidence in [0, 1] strictly above which a filled token of the block is "
+                                      "rewritten to a different argmax", symbol="edit")
+    max_post_steps: int = knob(16, "forwards of a mask-free block that may still edit it (0: none)",
+                               symbol="post")
+    per_row = ("threshold",)
+
+    def __post_init__(self):
+        super().__post_init__()
+        check(0 <= self.threshold <= 1, f"threshold must be in [0, 1], got {self.threshold}")
+        check(0 <= self.edit_threshold <= 1, f"edit_threshold must be in [0, 1], got {self.edit_threshold}")
+        check(0 <= self.max_post_steps <= 1024, f"max_post_steps must be in [0, 1024], got {self.max_post_steps}")
+
+    @property
+    def rule_value(self) -> float:
+        return self.threshold
+
+
+class DraftAndEdit(BlockDiffusion):
+    """LLaDA2.1's Draft-and-Edit: each forward fills the masks above `threshold` (at least the most confident one)
+    and, in the same forward, rewrites the block's filled non-prompt tokens whose argmax now differs with
+    confidence above `edit_threshold`. A block ends after a forward that began without a mask and proposed no edit,
+    or after `max_post_steps` such forwards (with 0, when its last mask is filled). Until then its tokens may
+    change: a row finishes only on the blocks that ended."""
+
+    name = "edit"
+    Settings = EditSettings
+    demo_variants = {"edit": {}, "edit-quality": {"threshold": 0.7, "edit_threshold": 0.5},
+                     "edit-speed": {"threshold": 0.5, "edit_threshold": 0.0}}
+
+    def transfer(self, batch, block, candidates, confidence, generated):
+        settings, counters = batch.params.settings, batch.counters
+        masked = block == batch.mask_id
+        had_masks = masked.any(dim=1)
+        ranked = confidence.masked_fill(~masked, float("-inf"))
+        above = masked & (ranked > batch.rule_value[:, None])
+        fill = torch.where(above.any(dim=1)[:, None], above, transfer_top_k(ranked, masked, torch.ones_like(
+            counters.steps)))
+        edit = ~masked & generated & (candidates != block) & (confidence > settings.edit_threshold)
+        mask_free = counters.mask_free_steps + (~had_masks).long()
+        last_filled = had_masks & ~(masked & ~fill).any(dim=1) & (settings.max_post_steps == 0)
+        confirmed = ~had_masks & (~edit.any(dim=1) | (mask_free >= settings.max_post_steps))
+        block_done = last_filled | confirmed
+        counters.mask_free_steps.copy_(torch.where(block_done, 0, mask_free))
+        return fill | edit, block_done
+
+    def editable(self, batch: DecodeBatch) -> torch.Tensor:
+        """The generated positions from each row's current block on (those before it are final)."""
+        start = batch.gen_start - (batch.tokens.shape[1] - batch.lengths)  # [B] the prompt length
+        size = batch.params.block_length
+        current = (start // size + batch.counters.block_index) * size - start
+        return torch.arange(batch.params.max_tokens, device=start.device) >= current[:, None]

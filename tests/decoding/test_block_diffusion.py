@@ -1,0 +1,160 @@
+"""Block diffusion on a block-causal model (LLaDA2.x): `parallel` is LLaDA2.0's sampler and `edit` LLaDA2.1's
+Draft-and-Edit, token for token against re-implementations of the published generate() loops, which re-run the
+whole prefix under the block-causal mask every step, while the engine computes one block's rows a step over the
+exact block cache. Prompts end mid-block; generations stop on eos; edit runs make edits."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_checkpoints import llada2_config, write_moe_checkpoint
+
+from flash_dllm import LLM, SamplingParams
+
+BLOCK = 32
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernels: on the GPU, else interpreted
+PROMPTS = ["What is 3 + 4?", "Tom has 3 apples and buys 4 more. How many apples does he have?",
+           "x = 5\nfor i in range(3):\n    x = x + i\nprint(x)" * 3, "The passkey is"]
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    """An fp32 LLaDA2 model whose eos logit is scaled up, so that some generations stop early."""
+    path = write_moe_checkpoint(tmp_path_factory.mktemp("llada2"), llada2_config(), num_shards=2)
+    llm = LLM(str(path), device="cpu", dtype="float32", kernels=False)
+    llm.model.lm_head.weight[llm.special.stop_ids[0]] *= 2.0
+    return llm
+
+
+def greedy(logits: torch.Tensor, mask_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The published argmax and its softmax probability; the mask token is never a candidate (as the engine's,
+    where the published code could decode a position back to a mask)."""
+    probs = logits.double().softmax(dim=-1)
+    tokens = logits.double().index_fill(-1, torch.tensor([mask_id]), float("-inf")).argmax(dim=-1)
+    return tokens, probs.gather(-1, tokens[..., None])[..., 0]
+
+
+def published_generate(model, prompt: list[int], gen_length: int, mask_id: int, eos_id: int, threshold: float,
+                       editing_threshold: float | None = None, max_post_steps: int = 16) -> tuple[list[int], int]:
+    """LLaDA2's generate() at batch 1, greedy, as published: the canvas padded to whole blocks, every step a forward
+    of the whole prefix up to the current block's end; LLaDA2.0's quota rule (steps=32, minimal_topk=1), or with
+    editing_threshold LLaDA2.1's fill-and-edit loop; stop after the block whose generated part holds eos; the output
+    up to (excluding) its first eos. -> (tokens, edits made)."""
+    P = len(prompt)
+    num_blocks = (P + gen_length + BLOCK - 1) // BLOCK
+    x = torch.full((1, num_blocks * BLOCK), mask_id, dtype=torch.long)
+    x[0, :P] = torch.tensor(prompt)
+    steps = min(BLOCK, gen_length)
+    schedule = [BLOCK // steps + (1 if s < BLOCK % steps else 0) for s in range(steps)]
+    edits = 0
+    for num_block in range(P // BLOCK, num_blocks):
+        end = (num_block + 1) * BLOCK
+        start = end - BLOCK
+        in_prompt = torch.arange(start, end) < P
+        post_steps, step = 0, 0
+        while True:
+            block = x[0, start:end].clone()
+            active = block == mask_id
+            if editing_threshold is None and (not active.any() or step == steps):
+                break
+            if editing_threshold is not None and not active.any():
+                post_steps += 1
+                if post_steps > max_post_steps:
+                    break
+            with torch.no_grad():
+                logits = model(x[:, :end])[0, start:end]
+            x0, p = greedy(logits, mask_id)
+            confidence = torch.where(active, p, torch.tensor(float("-inf"), dtype=torch.float64))
+            fill = torch.zeros(BLOCK, dtype=torch.bool)
+            if active.any():
+                quota = schedule[step] if editing_threshold is None else 1
+                high = (confidence > threshold) & active
+                if int(high.sum()) >= quota:
+                    fill = high
+                else:
+                    fill[torch.topk(confidence, k=min(quota, int(active.sum()))).indices] = True
+            edit = torch.zeros(BLOCK, dtype=torch.bool)
+            if editing_threshold is not None:
+                edit = ~active & ~in_prompt & (x0 != block) & (p > editing_threshold)
+                edits += int(edit.sum())
+            x[0, start:end] = torch.where(fill | edit, x0, block)
+            step += 1
+            if editing_threshold is not None and not active.any() and not edit.any():
+                break
+        generated = x[0, P:end]
+        if not (generated == mask_id).any() and (generated == eos_id).any():
+            break
+    out = x[0, P:P + gen_length].tolist()
+    return (out[:out.index(eos_id)] if eos_id in out else out), edits
+
+
+def run(llm, **settings) -> list:
+    params = SamplingParams(max_tokens=settings.pop("max_tokens", 48), **settings)
+    return llm.generate(PROMPTS, params)
+
+
+@pytest.mark.parametrize("threshold, max_tokens", [(0.95, 48), (0.5, 48), (0.8, 20)])
+def test_parallel_is_llada2_0_sampler(llm, threshold, max_tokens):
+    outputs = run(llm, method="parallel", threshold=threshold, max_tokens=max_tokens)
+    eos = llm.special.stop_ids[0]
+    for prompt, out in zip(PROMPTS, outputs):
+        ids = llm.encode(prompt)
+        expected, _ = published_generate(llm.model, ids, max_tokens, llm.special.mask_id, eos, threshold)
+        assert out.token_ids == expected, prompt
+    assert {out.finish_reason for out in outputs} == {"stop", "length"} or max_tokens < 32
+    assert any(len(llm.encode(p)) % BLOCK for p in PROMPTS)
+
+
+@pytest.mark.parametrize("threshold, edit_threshold, max_post_steps", [(0.95, 0.9, 16), (0.7, 0.5, 16),
+                                                                      (0.5, 0.0, 2), (0.5, 0.0, 0)])
+def test_edit_is_llada2_1_draft_and_edit(llm, threshold, edit_threshold, max_post_steps):
+    outputs = run(llm, method="edit", threshold=threshold, edit_threshold=edit_threshold,
+                  max_post_steps=max_post_steps)
+    eos, total_edits = llm.special.stop_ids[0], 0
+    for prompt, out in zip(PROMPTS, outputs):
+        expected, edits = published_generate(llm.model, llm.encode(prompt), 48, llm.special.mask_id, eos, threshold,
+                                             edit_threshold, max_post_steps)
+        assert out.token_ids == expected, prompt
+        total_edits += edits
+    if edit_threshold == 0.0 and max_post_steps:
+        assert total_edits > 0  # the speed mode's edits happen on this model
+
+
+def test_a_step_computes_one_block(llm):
+    """After the first pass (the prompt's whole blocks and the first block), a step computes the current block's
+    rows, and once per block that ended, that block's rows again; never the prefix."""
+    ids = llm.encode(PROMPTS[2])
+    out = llm.generate([ids], SamplingParams(method="parallel", threshold=0.5, max_tokens=64))[0]
+    blocks = (len(ids) + 64 - 1) // BLOCK + 1 - len(ids) // BLOCK
+    assert out.query_rows <= (len(ids) // BLOCK) * BLOCK + out.nfe * BLOCK + blocks * BLOCK
+    assert out.query_rows < out.nfe * (len(ids) + 64) / 2
+
+
+def test_settings_the_model_does_not_allow_are_refused(llm):
+    outputs = llm.generate(["hi"] * 3, [SamplingParams(method="parallel", block_length=16),
+                                         SamplingParams(method="parallel", factor=1.0),
+                                         SamplingParams(method="prefix-cache")])
+    assert [out.error for out in outputs] == [
+        "prompt 0: block_length must be 32 on this model (its attention's blocks), got 16",
+        "prompt 1: factor is not LLaDA2's rule: method 'parallel' on a block-causal model fills by threshold "
+        "(drop factor)",
+        "prompt 2: method 'prefix-cache' does not support this model's block-causal (blocks of 32) attention yet; "
+        "use reference, parallel, lossless, dream, edit"]
+
+
+def test_edit_is_refused_on_a_bidirectional_model(gqa_checkpoint):
+    llm = LLM(str(gqa_checkpoint), device="cpu", kernels=False)
+    out = llm.generate(["hi"], SamplingParams(method="edit"))[0]
+    assert out.error.startswith("prompt 0: method 'edit' does not support this model's bidirectional attention")
+
+
+@pytest.mark.parametrize("method, settings", [("parallel", dict(threshold=0.5)),
+                                              ("edit", dict(threshold=0.5, edit_threshold=0.0, max_post_steps=2))])
+def test_the_kernels_decode_the_same_tokens(llm, method, settings):
+    """Through the Triton kernels (interpreted on the CPU): the q/k norms and partial RoPE before the cache write,
+    the block-causal attention over the cache, the experts' grouped GEMMs."""
+    kernels = LLM(str(llm.path), device=DEVICE, dtype="float32", kernels=True)
+    kernels.model.lm_head.weight[kernels.special.stop_ids[0]] *= 2.0
+    params = SamplingParams(method=method, max_tokens=16, **settings)
+    expected = [out.token_ids for out in llm.generate(PROMPTS[1:2], params)]
+    assert [out.token_ids for out in kernels.generate(PROMPTS[1:2], params)] == expected
