@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Issue 55's device runs, each step bounded in time and logged to $OUT:
-#   the GPU tests of the MoE kernels (grouped GEMMs, FP8 experts) and of block diffusion through the kernels;
+#   the GPU tests of the MoE kernels (grouped GEMMs, FP8 experts) and of block diffusion through the kernels and CUDA
+#   graphs; the tiny LLaDA2 model's training (training/train_llada2.py, to $OUT/llada2/model, with its evaluation);
 #   `bench generate` on random LLaDA2-mini weights (bf16, then FP8 weights) at batch 1 and 32, `parallel` (LLaDA2.0's
-#   sampler) and `edit` (Draft-and-Edit), and on random LLaDA-MoE weights (`parallel`, `flash-cache`); then the
-#   weight-read floors of the experts each step touches (benchmarks/moe_floor.py).
+#   sampler) and `edit` (Draft-and-Edit); the weight-read floors of the experts each step touches
+#   (benchmarks/moe_floor.py). MINUTES: the training's budget (default 4.5).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src
@@ -12,13 +13,13 @@ GPU=$(python -c "import torch; print('H200' if 'H200' in torch.cuda.get_device_n
 gen() {  # gen NAME SECONDS MODEL [OPTIONS...]
   local name=$1 limit=$2 model=$3; shift 3
   TAIL=6 step "$name" "$limit" python -m flash_dllm.cli bench generate --model "$model" --batch-sizes 1 32 \
-      --prompts random --prompt-length 256 --max-tokens 256 "$@"
+      --prompts random --prompt-length 256 --max-tokens 128 "$@"
 }
-step gpu_tests 200 python -m pytest -q -p no:cacheprovider tests/kernels/test_moe_experts.py \
-    tests/decoding/test_block_diffusion.py tests/models/test_moe_models.py
-gen llada2_bf16 150 random:llada2-mini --methods parallel edit
-gen llada2_fp8 150 random:llada2-mini --methods parallel edit --quantization fp8
-gen llada_moe_bf16 120 random:llada-moe --methods parallel flash-cache
-TAIL=20 step floors 60 bash -c "python benchmarks/moe_floor.py --gpu $GPU; \
-    python benchmarks/moe_floor.py --gpu $GPU --quantization fp8 | tail -2; \
-    python benchmarks/moe_floor.py --gpu $GPU --model random:llada-moe | tail -2"
+step gpu_tests 90 python -m pytest -q -p no:cacheprovider tests/kernels/test_moe_experts.py \
+    tests/decoding/test_block_diffusion.py
+TAIL=12 step train 330 python training/train_llada2.py --out "$OUT/llada2/model" --minutes "${MINUTES:-4.5}" \
+    --edit-noise 0.1 --eval 30
+gen llada2_bf16 80 random:llada2-mini --methods parallel edit
+gen llada2_fp8 70 random:llada2-mini --methods parallel edit --quantization fp8
+TAIL=20 step floors 20 bash -c "python benchmarks/moe_floor.py --gpu $GPU; \
+    python benchmarks/moe_floor.py --gpu $GPU --quantization fp8 | tail -2"

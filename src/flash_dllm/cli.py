@@ -446,6 +446,20 @@ def cmd_demo(args):
     llm = llm_from_args(args, max_batch_size=args.batch_size)
     columns = [task + (f"@{args.prompt_length}" if task in RETRIEVAL_TASKS else "") for task in args.tasks]
     results, variants = {}, demo_variants()
+    attention = llm.config.attention
+
+    def runs(label: str) -> bool:  # the model's engine would admit the row's requests
+        method = method_of(variants[label]["method"], attention.kind)
+        try:
+            method.check_model(llm.config, SamplingParams(block_length=args.block_length, **variants[label]))
+        except ValueError:
+            return False
+        return attention.kind in method.attention_patterns
+    default = args.methods is None
+    if default:  # the default rows that this model's attention pattern admits
+        args.methods = [label for label in default_demo_methods() if runs(label)]
+    elif refused := [label for label in args.methods if not runs(label)]:
+        raise ValueError(f"--methods {' '.join(refused)}: not supported on this model ({attention} attention)")
     for label in args.methods:
         params = {task: SamplingParams(max_tokens=args.max_tokens or answer_length(task),
                                        block_length=args.block_length, **variants[label]) for task in args.tasks}
@@ -467,7 +481,7 @@ def cmd_demo(args):
                      f"{sum(r.nfe for r in rs) / sum(r.num_items for r in rs):.1f}", f"{tokens / steps:.2f}",
                      f"{sum(r.query_rows for r in rs) / steps:.0f}", f"{tokens / sum(r.wall_s for r in rs):.1f}"))
     print(markdown_table(("method", *columns, "NFE", "tokens/step", "query rows/step", "tokens/s"), rows))
-    if args.methods == default_demo_methods():
+    if default:
         print(f"Not run by default: {', '.join(DEMO_ON_REQUEST)} (one token per forward pass as reference, at up to "
               f"twice its compute: minutes on a CPU); add them with --methods")
     shown = DEFAULT_METHOD if DEFAULT_METHOD in results else args.methods[0]
@@ -755,9 +769,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--tasks", nargs="+", default=["arith", "trace", "passkey"], choices=list(TASKS),
                       help="the embedded model's tasks")
     demo.add_argument("--methods", nargs="+", choices=list(demo_variants()),
-                      default=default_demo_methods(),
-                      help=f"methods and named variants; {', '.join(DEMO_ON_REQUEST)} only when named (one token per "
-                           f"forward pass: minutes on a CPU)")
+                      help=f"methods and named variants (default: those the model's attention admits, but "
+                           f"{', '.join(DEMO_ON_REQUEST)}: one token per forward pass, minutes on a CPU)")
     demo.add_argument("--prompt-length", type=at_least(1), default=256,
                       help="retrieval tasks: the items of this length")
     demo.add_argument("--max-tokens", type=int, help="generation length (default: the task's, passkey and multikey 32, "

@@ -158,3 +158,18 @@ def test_the_kernels_decode_the_same_tokens(llm, method, settings):
     params = SamplingParams(method=method, max_tokens=16, **settings)
     expected = [out.token_ids for out in llm.generate(PROMPTS[1:2], params)]
     assert [out.token_ids for out in kernels.generate(PROMPTS[1:2], params)] == expected
+
+
+def test_requests_decode_the_same_alone_and_joining_a_running_batch(llm):
+    """Continuous batching: a request that joins while others run (mid-block, at another block index) decodes as it
+    does alone."""
+    params = SamplingParams(method="edit", threshold=0.7, edit_threshold=0.5, max_tokens=48)
+    alone = [llm.generate([prompt], params)[0].token_ids for prompt in PROMPTS]
+    engine = llm.engine
+    first = [engine.add_request(llm.encode(prompt), params) for prompt in PROMPTS[:2]]
+    for _ in range(5):
+        engine.step()
+    late = [engine.add_request(llm.encode(prompt), params) for prompt in PROMPTS[2:]]
+    while engine.has_unfinished():
+        engine.step()
+    assert [seq.output_ids for seq in first + late] == alone
