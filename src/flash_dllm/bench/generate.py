@@ -76,7 +76,7 @@ def bench_generate(llm, params: SamplingParams, batch: int, prompt_length: int |
     if batch > llm.engine.scheduler.max_batch_size:
         raise ValueError(f"batch {batch} is larger than the LLM's max_batch_size "
                          f"({llm.engine.scheduler.max_batch_size}): its requests would not run together")
-    method = method_of(params.method)
+    method = method_of(params.method, llm.config.attention.kind)
     warm_tokens = min(params.max_tokens, 2 * params.block_length if method.uses_blocks else 32)
     prompts = task_prompts(batch) if prompt_length is None else random_prompts(llm, batch, prompt_length, seed)
     llm.generate(prompts, dataclasses.replace(params, max_tokens=warm_tokens), use_tqdm=False)

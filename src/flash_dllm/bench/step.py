@@ -80,14 +80,14 @@ def bench_step(llm, params: SamplingParams, batch: int, prompt_length: int, warm
     if warmup + iters > params.max_tokens:
         raise ValueError(f"warmup + iters ({warmup + iters}) must not exceed max_tokens ({params.max_tokens}): "
                          f"the requests would finish inside the timed span")
-    length = prompt_length + params.max_tokens
+    method = method_of(params.method, cfg.attention.kind)
+    length = prompt_length + params.max_tokens + method.tail_tokens(params)
     generator = torch.Generator().manual_seed(seed)
     prompts = torch.randint(0, cfg.vocab_size, (batch, prompt_length), generator=generator)
     prompts[prompts == llm.special.mask_id] = llm.special.pad_id
     if device.type == "cuda":
         gc.collect()  # the previous call's engine (its cache, its graphs) sits in reference cycles until collected
         torch.cuda.reset_peak_memory_stats(device)
-    method = method_of(params.method)
     cache_bytes = batch * length * KVCache.bytes_per_row(llm.model.shard_config, llm.dtype,
                                                          with_hidden=method.caches_hidden_states,
                                                          kv_dtype=llm.runner.kv_dtype)

@@ -278,15 +278,15 @@ def warm_up_requests(llm, methods: tuple[str, ...] | None = None,
     rows = runner.cache.num_rows if runner.cache is not None else llm.config.max_position
     specials = {*llm.special.stop_ids, llm.special.mask_id}
     ids = [i for i in range(16, 16 + 97 + len(specials)) if i not in specials][:97]  # ordinary tokens, any model
-    ran = 0
-    cached = [method_of(m) for m in methods if method_of(m).uses_cache]
+    ran, kind = 0, llm.config.attention.kind
+    cached = [method_of(m, kind) for m in methods if method_of(m, kind).uses_cache]
     if cached:  # allocated now, not under the warm-up: the graphs it makes are set aside with the others
         runner.allocate_cache(with_hidden=any(method.caches_hidden_states for method in cached))
     graphs, runner.graphs = runner.graphs, None  # a 1-layer capture would replay wrong later
     try:
         with first_layer_only(llm.model):
             for method, routing, tokens in itertools.product(methods, routings, max_tokens):
-                if routing is not None and not method_of(method).uses_cache:
+                if routing is not None and not method_of(method, kind).uses_cache:
                     continue
                 try:
                     params = SamplingParams(method=method, max_tokens=tokens, block_length=min(block_length, tokens),
@@ -296,7 +296,7 @@ def warm_up_requests(llm, methods: tuple[str, ...] | None = None,
                 longest = min(rows, llm.config.max_position) - tokens
                 lengths = sorted({n for n in (min(n, longest) for n in prompt_lengths)
                                   if n > 0 and _fits(engine, n, params)})
-                if not method_of(method).uses_cache:  # full passes only: the cost of a long prompt, no variant
+                if not method_of(method, kind).uses_cache:  # full passes only: the cost of a long prompt, no variant
                     lengths = lengths[:1]
                 prompts = [[ids[i % len(ids)] for i in range(n)] for n in lengths]
                 for batch in [prompts[:1], prompts * 2] if prompts else []:  # alone, and several in one batch
@@ -358,9 +358,10 @@ def capture_steady_passes(llm, methods: tuple[str, ...], block_length: int = 32,
             params = SamplingParams(method=method, block_length=block_length)
         except ValueError:
             continue
-        if llm.config.attention.kind not in method_of(method).attention_patterns:  # refused on this model
+        kind = llm.config.attention.kind
+        if kind not in method_of(method, kind).attention_patterns:  # refused on this model
             continue
-        steady = method_of(method).steady_pass(params, runner.logit_shift)
+        steady = method_of(method, kind).steady_pass(params, runner.logit_shift)
         if steady is None:
             continue
         rows, tracked = steady
@@ -426,7 +427,8 @@ def before_ready(llm, methods: tuple[str, ...] | None = None, routings: tuple[st
 
     served = tuple(METHODS) if methods is None else methods
     # on CUDA the dense passes' variants compile here
-    cache = runner.allocate_cache(with_hidden=any(method_of(m).caches_hidden_states for m in served))
+    cache = runner.allocate_cache(with_hidden=any(method_of(m, llm.config.attention.kind).caches_hidden_states
+                                                  for m in served))
     phases.cache_s = lap()
     # Under tensor parallelism these would run on rank 0 alone, whose collectives would wait for ranks that never
     # join them: there every rank compiles the dense passes as its cache is allocated, the rest at first launch.
