@@ -4,7 +4,7 @@
 #   graphs; the tiny LLaDA2 model's training (training/train_llada2.py, to $OUT/llada2/model, with its evaluation);
 #   `bench generate` on random LLaDA2-mini weights (bf16, then FP8 weights) at batch 1 and 32, `parallel` (LLaDA2.0's
 #   sampler) and `edit` (Draft-and-Edit); the weight-read floors of the experts each step touches
-#   (benchmarks/moe_floor.py). MINUTES: the training's budget (default 4.5).
+#   (benchmarks/moe_floor.py). MINUTES: the training's budget (default 4); FP8=0 skips the FP8 row.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src
@@ -15,11 +15,11 @@ gen() {  # gen NAME SECONDS MODEL [OPTIONS...]
   TAIL=6 step "$name" "$limit" python -m flash_dllm.cli bench generate --model "$model" --batch-sizes 1 32 \
       --prompts random --prompt-length 256 --max-tokens 128 "$@"
 }
-step gpu_tests 90 python -m pytest -q -p no:cacheprovider tests/kernels/test_moe_experts.py \
+step gpu_tests 75 python -m pytest -q -p no:cacheprovider tests/kernels/test_moe_experts.py \
     tests/decoding/test_block_diffusion.py
-TAIL=12 step train 330 python training/train_llada2.py --out "$OUT/llada2/model" --minutes "${MINUTES:-4.5}" \
-    --edit-noise 0.1 --eval 30
+TAIL=12 step train $((${MINUTES:-4} * 60 + 75)) python training/train_llada2.py --out "$OUT/llada2/model" \
+    --minutes "${MINUTES:-4}" --edit-noise 0.1 --eval 30
 gen llada2_bf16 80 random:llada2-mini --methods parallel edit
-gen llada2_fp8 70 random:llada2-mini --methods parallel edit --quantization fp8
+[ "${FP8:-1}" = 1 ] && gen llada2_fp8 70 random:llada2-mini --methods parallel edit --quantization fp8
 TAIL=20 step floors 20 bash -c "python benchmarks/moe_floor.py --gpu $GPU; \
     python benchmarks/moe_floor.py --gpu $GPU --quantization fp8 | tail -2"

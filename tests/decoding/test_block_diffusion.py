@@ -120,6 +120,39 @@ def test_edit_is_llada2_1_draft_and_edit(llm, threshold, edit_threshold, max_pos
         assert total_edits > 0  # the speed mode's edits happen on this model
 
 
+def test_flash_cache_with_a_window_over_the_block_is_the_exact_block_cache(llm):
+    params = dict(threshold=0.5, max_tokens=48)
+    exact = llm.generate(PROMPTS, SamplingParams(method="parallel", **params))
+    for budget in (0, 8):
+        cached = llm.generate(PROMPTS, SamplingParams(method="flash-cache", mask_window=32, tracking_budget=budget,
+                                                      **params))
+        assert [(o.token_ids, o.steps, o.query_rows) for o in cached] == \
+            [(o.token_ids, o.steps, o.query_rows) for o in exact]
+
+
+def test_flash_cache_computes_its_budget_of_the_block(llm):
+    """After a block's first step (the whole block), a step computes mask_window + tracking_budget of its rows:
+    the window's masks first, and only they are unmasked."""
+    ids = llm.encode(PROMPTS[0])
+    steps = []
+    real_run = llm.engine.method(SamplingParams(method="flash-cache")).run
+
+    def run(runner, batch, plan):
+        steps.append((batch.rows[0].step_in_block, plan.counts[-1], (batch.tokens == batch.mask_id).sum().item()))
+        real_run(runner, batch, plan)
+    method = llm.engine.method(SamplingParams(method="flash-cache"))
+    method.run = run
+    try:
+        out = llm.generate([ids], SamplingParams(method="flash-cache", threshold=0.99, mask_window=2,
+                                                 tracking_budget=6, max_tokens=40))[0]
+    finally:
+        del method.run
+    assert out.error is None and out.finish_reason in ("stop", "length")
+    assert all(count == (BLOCK if step == 0 else 8) for step, count, _ in steps)
+    masks = [m for _, _, m in steps]
+    assert all(0 < before - after <= 2 for before, after in zip(masks, masks[1:]) if after < before)
+
+
 def test_a_step_computes_one_block(llm):
     """After the first pass (the prompt's whole blocks and the first block), a step computes the current block's
     rows, and once per block that ended, that block's rows again; never the prefix."""
@@ -148,8 +181,9 @@ def test_edit_is_refused_on_a_bidirectional_model(gqa_checkpoint):
     assert out.error.startswith("prompt 0: method 'edit' does not support this model's bidirectional attention")
 
 
-@pytest.mark.parametrize("method, settings", [("parallel", dict(threshold=0.5)),
-                                              ("edit", dict(threshold=0.5, edit_threshold=0.0, max_post_steps=2))])
+@pytest.mark.parametrize("method, settings", [
+    ("parallel", dict(threshold=0.5)), ("edit", dict(threshold=0.5, edit_threshold=0.0, max_post_steps=2)),
+    ("flash-cache", dict(threshold=0.5, mask_window=8, tracking_budget=8))])
 def test_the_kernels_decode_the_same_tokens(llm, method, settings):
     """Through the Triton kernels (interpreted on the CPU): the q/k norms and partial RoPE before the cache write,
     the block-causal attention over the cache, the experts' grouped GEMMs."""

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .base import DecodingMethod, Settings, StepPlan, check, knob
+from .flash_cache import FlashCacheSettings, FlashCacheState
 from .parallel import ParallelSettings
 from .sampling import sample_tokens
 from .transfer import linear_schedule, transfer_top_k
@@ -62,9 +63,24 @@ class BlockDiffusion(DecodingMethod):
             elif row.step_in_block == 0:
                 mine = [(b, COMMIT, 0)] + mine
             groups += mine
-            counts.append(len(mine) * size)
-        batch.count_query_rows(counts)
-        return StepPlan((size,) * len(groups), tuple(groups))
+            counts += [size if kind != CURRENT else self.current_rows(batch, row) for _, kind, _ in mine]
+        batch.count_query_rows([sum(c for (b, _, _), c in zip(groups, counts) if b == row)
+                                for row in range(len(batch.rows))])
+        return StepPlan(tuple(counts), tuple(groups))
+
+    def current_rows(self, batch: DecodeBatch, row) -> int:
+        """Query rows of a row's current block this step (its first `block_queries`)."""
+        return batch.params.block_length
+
+    def block_queries(self, runner: ModelRunner, batch: DecodeBatch, block_columns: torch.Tensor,
+                      plan: StepPlan) -> torch.Tensor:
+        """[B, block_length] the current block's columns in the order its query rows take them."""
+        return block_columns
+
+    tracks_attention = False  # the step accumulates the attention mass its masked queries give each key
+
+    def note_transfer(self, batch: DecodeBatch, block_columns: torch.Tensor, fill: torch.Tensor):
+        """Per-position bookkeeping of what this step changed (before the tokens change)."""
 
     def block_start(self, runner: ModelRunner, batch: DecodeBatch) -> torch.Tensor:
         """[B] the first position of each row's current block."""
@@ -74,19 +90,27 @@ class BlockDiffusion(DecodingMethod):
 
     def run(self, runner: ModelRunner, batch: DecodeBatch, plan: StepPlan):
         size, groups = batch.params.block_length, plan.extra
-        first_column = batch.tokens.shape[1] - batch.lengths  # [B] the column of position 0
+        width = batch.tokens.shape[1]
+        first_column = width - batch.lengths  # [B] the column of position 0
         start = self.block_start(runner, batch)
+        offsets = torch.arange(size, device=start.device)
+        positions = start[:, None] + offsets  # [B, size] the current block
+        block_columns = first_column[:, None] + positions
         order = [b for b, _, _ in groups]
         order_t = runner.constant(order)
         shift = runner.constant([-size if kind == COMMIT else 0 for _, kind, _ in groups])
         fixed = runner.constant([position if kind == PROMPT else -1 for _, kind, position in groups])
+        current = runner.constant([kind == CURRENT for _, kind, _ in groups]).bool()
         group_start = torch.where(fixed >= 0, fixed, start[order_t] + shift)
-        offsets = torch.arange(size, device=start.device)
-        columns = (first_column[order_t] + group_start)[:, None] + offsets
-        p = runner.prepare(batch, list(plan.counts), columns, order=order, block_size=size)
-        hidden = runner.run(p)
-        positions = start[:, None] + offsets  # [B, size] the current block
-        block_columns = first_column[:, None] + positions
+        columns = torch.where(current[:, None], self.block_queries(runner, batch, block_columns, plan)[order_t],
+                              (first_column[order_t] + group_start)[:, None] + offsets)
+        masked = batch.tokens == batch.mask_id
+        p = runner.prepare(batch, list(plan.counts), columns, order=order, block_size=size,
+                           track=masked if self.tracks_attention else None)
+        key_mass = torch.zeros(len(groups), p.metadata.max_kv, device=start.device) if self.tracks_attention else None
+        hidden = runner.run(p, key_mass)
+        if key_mass is not None:
+            self.store_key_mass(batch, torch.zeros_like(key_mass[:len(batch.rows)]).index_add_(0, order_t, key_mass))
         logits = runner.logits(hidden, p.flat_of_column, block_columns)
         generated = positions - runner.constant([row.prompt_length for row in batch.rows])[:, None]
         candidates, confidence = sample_tokens(logits, batch.temperature, batch.seed, batch.counters.steps,
@@ -94,12 +118,23 @@ class BlockDiffusion(DecodingMethod):
                                                mask_id=batch.mask_id, kernels=runner.kernels)
         block = batch.tokens.gather(1, block_columns)
         changed, block_done = self.transfer(batch, block, candidates, confidence, generated >= 0)
+        self.note_transfer(batch, block_columns, changed)
         batch.tokens.scatter_(1, block_columns, torch.where(changed, candidates, block))
         counters = batch.counters
         counters.nfe += 1
         counters.steps += 1
         counters.block_index += block_done.long()
         counters.step_in_block.copy_(torch.where(block_done, 0, counters.step_in_block + 1))
+
+    def store_key_mass(self, batch: DecodeBatch, key_mass: torch.Tensor):
+        """key_mass [B, max_kv] by position -> the state's by column (positions past a row's length add their 0 to
+        its last column: a scatter without boolean indexing)."""
+        width, lengths = batch.tokens.shape[1], batch.lengths
+        offsets = torch.arange(key_mass.shape[1], device=key_mass.device)
+        kv_columns = ((width - lengths)[:, None] + offsets).clamp(max=width - 1)
+        mass = torch.zeros_like(batch.state.key_mass)
+        mass.scatter_add_(1, kv_columns, torch.where(offsets < lengths[:, None], key_mass, 0.0))
+        batch.state.key_mass.copy_(mass)
 
     def transfer(self, batch: DecodeBatch, block: torch.Tensor, candidates: torch.Tensor, confidence: torch.Tensor,
                  generated: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,3 +223,51 @@ class DraftAndEdit(BlockDiffusion):
         size = batch.params.block_length
         current = (start // size + batch.counters.block_index) * size - start
         return torch.arange(batch.params.max_tokens, device=start.device) >= current[:, None]
+
+
+class BlockFlashCache(LLaDA2Threshold):
+    """Flash-Cache's selective update inside the current block, with LLaDA2.0's rule: a block's first step computes
+    all of it; its later steps compute min(mask_window + tracking_budget, block_length) of its positions (the
+    window of its mask_window leftmost masks, then its decoded positions: last step's new tokens first, then by the
+    attention mass the masks gave them last step) and read the rest of the block from the cache. Only the
+    window's masks are unmasked. The blocks before stay exact (a block's K/V are rewritten from its final tokens
+    when it ends), so with a window that covers the block this is `parallel` (the exact block cache)."""
+
+    name = "flash-cache"
+    Settings = FlashCacheSettings
+    tracks_attention = True
+
+    def initial_state(self, length: int, device: torch.device) -> FlashCacheState:
+        return FlashCacheState(key_mass=torch.zeros(length, device=device),
+                               decoded_at=torch.full((length,), -1, dtype=torch.long, device=device))
+
+    def current_rows(self, batch: DecodeBatch, row) -> int:
+        settings, size = batch.params.settings, batch.params.block_length
+        return size if row.step_in_block == 0 else min(settings.mask_window + settings.tracking_budget, size)
+
+    def block_queries(self, runner: ModelRunner, batch: DecodeBatch, block_columns: torch.Tensor,
+                      plan: StepPlan) -> torch.Tensor:
+        """[B, block_length] the block's columns, those the current group computes first (a row whose count is
+        the whole block computes all)."""
+        settings, state = batch.params.settings, batch.state
+        block = batch.tokens.gather(1, block_columns)
+        masked = block == batch.mask_id
+        window = masked & (masked.cumsum(dim=1) <= settings.mask_window)
+        newly = ~masked & (state.decoded_at.gather(1, block_columns) == (batch.counters.steps - 1)[:, None])
+        mass = state.key_mass.gather(1, block_columns)
+        offsets = torch.arange(block.shape[1], device=block.device)
+        relative_mass = mass / (mass.amax(dim=1, keepdim=True) + 1e-30)
+        priority = torch.where(masked, 1.0 - offsets / block.shape[1], 2.0 + relative_mass)  # decoded above far masks
+        priority = torch.where(window, 5.0, torch.where(newly, 3.5, priority))
+        return block_columns.gather(1, priority.argsort(dim=1, descending=True, stable=True))
+
+    def transfer(self, batch, block, candidates, confidence, generated):
+        masked = block == batch.mask_id
+        window = masked & (masked.cumsum(dim=1) <= batch.params.settings.mask_window)
+        fill, _ = super().transfer(batch, torch.where(window, block, -1), candidates, confidence, generated)
+        return fill, ~(masked & ~fill).any(dim=1)
+
+    def note_transfer(self, batch: DecodeBatch, block_columns: torch.Tensor, fill: torch.Tensor):
+        decoded_at = batch.state.decoded_at
+        current = decoded_at.gather(1, block_columns)
+        decoded_at.scatter_(1, block_columns, torch.where(fill, batch.counters.steps[:, None], current))

@@ -89,7 +89,9 @@ class FlashCache(Parallel):
     demo_variants = None
     replayable = True
 
-    def validate(self, params: SamplingParams):
+    def check_model(self, config, params: SamplingParams):
+        """Its rule picks from the whole block, whose masks the window must cover (on a block-causal model,
+        `flash-cache` is decoding/block_diffusion.py's, whose window may be narrower)."""
         window = params.settings.mask_window
         check(window >= params.block_length,
               f"mask_window ({window}) must cover a block (block_length {params.block_length})")
