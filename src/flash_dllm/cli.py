@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from .cache.routing import POLICIES
-from .decoding.registry import DEFAULT_METHOD, METHODS, method_of
+from .decoding.registry import DEFAULT_METHOD, METHODS, method_of, methods_for
 from .engine.warmup import STEADY_BATCH_SIZES
 from .extras import MissingExtra, require_extra
 from .models.quantization import KV_CACHE_DTYPES, QUANTIZATIONS, kv_dtype_of
@@ -314,7 +314,7 @@ def bench_cases(args):
     routings = getattr(args, "kv_routing", None) or ["dense"]
     if getattr(args, "kv_budget", None) is not None and routings == ["dense"]:
         raise ValueError(f"--kv-budget applies only with --kv-routing ({', '.join(POLICIES)})")
-    for method in args.methods:
+    for method in args.methods or METHODS:
         for routing in routings:
             routed = {} if routing == "dense" else dict(kv_routing=routing, kv_budget=args.kv_budget)
             params = SamplingParams(method=method, max_tokens=args.max_tokens,
@@ -337,6 +337,9 @@ def cmd_bench(args):
     if args.bench in ("forward", "kernels") and args.tensor_parallel_size > 1:
         raise ValueError(f"bench {args.bench} times one process's model: --tensor-parallel-size must be 1")
     llm = llm_from_args(args, max_batch_size=max(getattr(args, "batch_sizes", [32])))
+    if cases and args.methods is None:  # every method that runs on this model's attention pattern
+        args.methods = methods_for(llm.config.attention.kind)
+        cases = list(bench_cases(args))
     device_name = torch.cuda.get_device_name(llm.device) if llm.device.type == "cuda" else "cpu"
     quantization = ((f", projections in {args.quantization}" if args.quantization else "")
                     + (f", KV cache in {args.kv_cache_dtype}" if args.kv_cache_dtype else ""))
@@ -863,7 +866,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="with --quantization: the FP8 GEMMs' row counts (one table row each)")
     step = bench_sub.add_parser("step", help="one decoding iteration per method and batch size (forced schedule)")
     add_model_args(step, default_model="random:llada-8b")
-    step.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS), help="one row each")
+    step.add_argument("--methods", nargs="+", choices=list(METHODS),
+                      help="one row each (default: every method that runs on the model)")
     step.add_argument("--batch-sizes", type=at_least(1), nargs="+", default=[1, 8, 16, 32], help="one row each")
     step.add_argument("--prompt-length", type=at_least(1), default=256, help="random prompts' length in tokens")
     step.add_argument("--max-tokens", type=int, default=512, help="generation length")
@@ -884,7 +888,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "tokens/s, NFE and tokens per step per method and batch size")
     add_model_args(generate, default_model="random:llada-8b")
     generate.set_defaults(func=cmd_bench)
-    generate.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS), help="one row each")
+    generate.add_argument("--methods", nargs="+", choices=list(METHODS),
+                          help="one row each (default: every method that runs on the model)")
     generate.add_argument("--batch-sizes", type=at_least(1), nargs="+", default=[1, 32], help="one row each")
     generate.add_argument("--prompts", choices=["random", "tasks"],
                           help="random token ids (for random weights), or the embedded tasks' held-out items as chat "

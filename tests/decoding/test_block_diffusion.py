@@ -172,7 +172,7 @@ def test_settings_the_model_does_not_allow_are_refused(llm):
         "prompt 1: factor is not LLaDA2's rule: method 'parallel' on a block-causal model fills by threshold "
         "(drop factor)",
         "prompt 2: method 'prefix-cache' does not support this model's block-causal (blocks of 32) attention yet; "
-        "use reference, parallel, lossless, dream, edit"]
+        "use reference, parallel, flash-cache, lossless, dream, edit"]
 
 
 def test_edit_is_refused_on_a_bidirectional_model(gqa_checkpoint):

@@ -24,7 +24,7 @@ import torch
 from flash_dllm import LLM, SamplingParams
 from flash_dllm.cli import main
 from flash_dllm.config import PRESETS
-from flash_dllm.decoding.registry import METHODS
+from flash_dllm.decoding.registry import METHODS, methods_for
 from flash_dllm.engine.tensor_parallel import finished_tokens
 from flash_dllm.models import load_model, random_model, save_checkpoint
 from flash_dllm.models.parallel import TensorParallel, check_size
@@ -68,7 +68,8 @@ def forward_logits(llm, ids: torch.Tensor) -> torch.Tensor:
 def methods_of(llm: LLM) -> list[str]:
     if llm.config.attention.kind == "block-causal":
         return ["parallel", "edit"]
-    return [name for name, method in METHODS.items() if method.handles_logit_shift or not llm.model.logit_shift]
+    return [name for name in methods_for("bidirectional")
+            if METHODS[name].handles_logit_shift or not llm.model.logit_shift]
 
 
 @pytest.fixture(scope="class", params=["llada", "dream", "llada2", "llada-invariant", "dream-fp8", "dream-kernels"])

@@ -271,7 +271,8 @@ def llm(toy_checkpoint) -> LLM:
     return llm
 
 
-@pytest.mark.parametrize("method", list(METHODS))
+@pytest.mark.parametrize("method", [name for name, method in METHODS.items()
+                                    if "bidirectional" in method.attention_patterns])
 def test_every_method_generates(llm, method):
     params = SamplingParams(method=method, max_tokens=16, block_length=8, temperature=0.5, seed=1)
     outs = llm.generate(PROMPTS, params)
@@ -318,6 +319,6 @@ def test_block_causal_model_refuses_the_cached_methods(block_causal_checkpoint):
     [out] = llm.generate(["hi"], SamplingParams(method="dual-cache", max_tokens=8, block_length=4))
     assert out.finish_reason == "error" and "\n" not in out.error
     assert re.search(r"method 'dual-cache' does not support this model's block-causal \(blocks of 4\) attention "
-                     r"yet; use reference, parallel, lossless, dream$", out.error)
+                     r"yet; use reference, parallel, flash-cache, lossless, dream, edit$", out.error)
     [out] = llm.generate(["hi"], SamplingParams(method="parallel", max_tokens=8, block_length=4))
-    assert out.error is None and out.token_ids
+    assert out.error is None and out.token_ids  # block diffusion over its blocks (decoding/block_diffusion.py)

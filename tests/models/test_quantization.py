@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from test_dream import dream_checkpoint
 
 from flash_dllm import LLM, SamplingParams
-from flash_dllm.decoding.registry import METHODS
+from flash_dllm.decoding.registry import methods_for
 from flash_dllm.kernels.fp8 import FP8, quantize_rows_ref
 from flash_dllm.models import load_model, random_model, save_checkpoint
 from flash_dllm.models.quantization import Fp8Linear
@@ -79,7 +79,7 @@ OPTIONS = {"fp8 weights": dict(quantization="fp8"), "fp8 KV": dict(kv_cache_dtyp
 
 
 @pytest.mark.parametrize("option", OPTIONS)
-@pytest.mark.parametrize("method", sorted(METHODS))
+@pytest.mark.parametrize("method", sorted(methods_for("bidirectional")))
 @pytest.mark.parametrize("checkpoint", ["gqa_checkpoint", "dream"])
 def test_every_method_runs_with_each_option(request, checkpoint, method, option):
     llm = LLM(request.getfixturevalue(checkpoint), device="cpu", dtype="float32", kernels=False, **OPTIONS[option])

@@ -28,6 +28,11 @@ def register(method: type[DecodingMethod]) -> type[DecodingMethod]:
     return method
 
 
+def methods_for(attention: str) -> list[str]:
+    """The names of the methods that decode a model of `attention` (config.ATTENTION_KINDS)."""
+    return [name for name in METHODS if attention in method_of(name, attention).attention_patterns]
+
+
 def method_of(name: str, attention: str = "bidirectional") -> DecodingMethod:
     """The method `name` on a model of `attention` (config.ATTENTION_KINDS)."""
     if name not in METHODS:

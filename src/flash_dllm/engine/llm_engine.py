@@ -23,7 +23,7 @@ from ..batch import Counters, DecodeBatch, RowState
 from ..cache import CacheAllocator
 from ..cache.attention_metadata import device_tensor
 from ..decoding.base import DecodingMethod
-from ..decoding.registry import METHODS, method_of
+from ..decoding.registry import METHODS, method_of, methods_for
 from ..sampling_params import SamplingParams
 from ..tokenizer import SpecialTokens
 from .counters import StepShape, work_class
@@ -80,7 +80,7 @@ class LLMEngine:
             raise ValueError(f"method {method.name!r} does not handle this model's shifted logits yet; use {able}")
         attention = self.runner.model.config.attention
         if attention.kind not in method.attention_patterns:
-            able = ", ".join(m.name for m in METHODS.values() if attention.kind in m.attention_patterns)
+            able = ", ".join(methods_for(attention.kind))
             raise ValueError(f"method {method.name!r} does not support this model's {attention} attention yet; "
                              f"use {able}")
         method.check_model(self.runner.model.config, params)
