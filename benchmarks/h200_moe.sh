@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 55's device runs, each step bounded in time and logged to $OUT:
 #   the GPU tests of the MoE kernels (grouped GEMMs, FP8 experts) and of block diffusion through the kernels and CUDA
-#   graphs; the tiny LLaDA2 model's training (training/train_llada2.py, to $OUT/llada2/model, with its evaluation);
+#   graphs; the tiny LLaDA2 model's training (training/train_llada2.py, to $OUT/llada2/model) and its evaluation
+#   (benchmarks/block_diffusion_eval.py: parallel, edit and flash-cache at three settings);
 #   `bench generate` on random LLaDA2-mini weights (bf16, then FP8 weights) at batch 1 and 32, `parallel` (LLaDA2.0's
 #   sampler) and `edit` (Draft-and-Edit); the weight-read floors of the experts each step touches
 #   (benchmarks/moe_floor.py). MINUTES: the training's budget (default 4); FP8=0 skips the FP8 row.
@@ -15,11 +16,12 @@ gen() {  # gen NAME SECONDS MODEL [OPTIONS...]
   TAIL=6 step "$name" "$limit" python -m flash_dllm.cli bench generate --model "$model" --batch-sizes 1 32 \
       --prompts random --prompt-length 256 --max-tokens 128 "$@"
 }
-step gpu_tests 75 python -m pytest -q -p no:cacheprovider tests/kernels/test_moe_experts.py \
+step gpu_tests 60 python -m pytest -q -p no:cacheprovider tests/kernels/test_moe_experts.py \
     tests/decoding/test_block_diffusion.py
-TAIL=12 step train $((${MINUTES:-4} * 60 + 75)) python training/train_llada2.py --out "$OUT/llada2/model" \
-    --minutes "${MINUTES:-4}" --edit-noise 0.1 --eval 30
+TAIL=8 step train $((${MINUTES:-4} * 60 + 60)) python training/train_llada2.py --out "$OUT/llada2/model" \
+    --minutes "${MINUTES:-4}" --edit-noise 0.1 --eval 0
+TAIL=12 step evals 80 python benchmarks/block_diffusion_eval.py --model "$OUT/llada2/model" --items 100
 gen llada2_bf16 80 random:llada2-mini --methods parallel edit
 [ "${FP8:-1}" = 1 ] && gen llada2_fp8 70 random:llada2-mini --methods parallel edit --quantization fp8
-TAIL=20 step floors 20 bash -c "python benchmarks/moe_floor.py --gpu $GPU; \
+TAIL=20 step floors 15 bash -c "python benchmarks/moe_floor.py --gpu $GPU; \
     python benchmarks/moe_floor.py --gpu $GPU --quantization fp8 | tail -2"

@@ -55,7 +55,7 @@ class BlockDiffusion(DecodingMethod):
         """Per row: its prompt's whole blocks at its first step, the block that ended at its last step, and its
         current block; each a group of block_length rows."""
         size = batch.params.block_length
-        groups, counts = [], []
+        groups, counts, per_row = [], [], []
         for b, row in enumerate(batch.rows):
             mine = [(b, CURRENT, 0)]
             if row.is_first_pass:
@@ -63,9 +63,9 @@ class BlockDiffusion(DecodingMethod):
             elif row.step_in_block == 0:
                 mine = [(b, COMMIT, 0)] + mine
             groups += mine
-            counts += [size if kind != CURRENT else self.current_rows(batch, row) for _, kind, _ in mine]
-        batch.count_query_rows([sum(c for (b, _, _), c in zip(groups, counts) if b == row)
-                                for row in range(len(batch.rows))])
+            counts += [size] * (len(mine) - 1) + [self.current_rows(batch, row)]
+            per_row.append(size * (len(mine) - 1) + counts[-1])
+        batch.count_query_rows(per_row)
         return StepPlan(tuple(counts), tuple(groups))
 
     def current_rows(self, batch: DecodeBatch, row) -> int:
