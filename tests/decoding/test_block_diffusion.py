@@ -130,6 +130,26 @@ def test_flash_cache_with_a_window_over_the_block_is_the_exact_block_cache(llm):
             [(o.token_ids, o.steps, o.query_rows) for o in exact]
 
 
+def test_flash_verify_that_accepts_no_candidate_is_the_exact_block_cache(llm):
+    """verify_threshold 1 accepts no candidate, so each step fills the masks above threshold, or the most confident:
+    LLaDA2.0's rule at a quota of one (max_tokens >= 32), with a verify pass for the rows that had candidates."""
+    params = dict(threshold=0.5, max_tokens=48)
+    exact = llm.generate(PROMPTS, SamplingParams(method="parallel", **params))
+    verified = llm.generate(PROMPTS, SamplingParams(method="flash-verify", mask_window=32, tracking_budget=0,
+                                                    verify_threshold=1.0, **params))
+    assert [(o.token_ids, o.steps) for o in verified] == [(o.token_ids, o.steps) for o in exact]
+    assert all(o.steps < o.nfe <= 2 * o.steps for o in verified)
+
+
+def test_flash_verify_accepts_verified_drafts(llm):
+    """A permissive verify threshold accepts drafts the threshold alone would not: fewer steps than without."""
+    params = dict(threshold=0.9, max_tokens=48, mask_window=16, tracking_budget=16)
+    strict = llm.generate(PROMPTS, SamplingParams(method="flash-verify", verify_threshold=1.0, **params))
+    loose = llm.generate(PROMPTS, SamplingParams(method="flash-verify", verify_threshold=0.0, **params))
+    assert all(o.error is None for o in strict + loose)
+    assert sum(o.steps for o in loose) < sum(o.steps for o in strict)
+
+
 def test_flash_cache_computes_its_budget_of_the_block(llm):
     """After a block's first step (the whole block), a step computes mask_window + tracking_budget of its rows:
     the window's masks first, and only they are unmasked."""
@@ -172,7 +192,7 @@ def test_settings_the_model_does_not_allow_are_refused(llm):
         "prompt 1: factor is not LLaDA2's rule: method 'parallel' on a block-causal model fills by threshold "
         "(drop factor)",
         "prompt 2: method 'prefix-cache' does not support this model's block-causal (blocks of 32) attention yet; "
-        "use reference, parallel, flash-cache, lossless, dream, edit"]
+        "use reference, parallel, flash-cache, flash-verify, lossless, dream, edit"]
 
 
 def test_edit_is_refused_on_a_bidirectional_model(gqa_checkpoint):
@@ -183,7 +203,8 @@ def test_edit_is_refused_on_a_bidirectional_model(gqa_checkpoint):
 
 @pytest.mark.parametrize("method, settings", [
     ("parallel", dict(threshold=0.5)), ("edit", dict(threshold=0.5, edit_threshold=0.0, max_post_steps=2)),
-    ("flash-cache", dict(threshold=0.5, mask_window=8, tracking_budget=8))])
+    ("flash-cache", dict(threshold=0.5, mask_window=8, tracking_budget=8)),
+    ("flash-verify", dict(threshold=0.9, mask_window=8, tracking_budget=8, verify_threshold=0.3))])
 def test_the_kernels_decode_the_same_tokens(llm, method, settings):
     """Through the Triton kernels (interpreted on the CPU): the q/k norms and partial RoPE before the cache write,
     the block-causal attention over the cache, the experts' grouped GEMMs."""

@@ -319,6 +319,6 @@ def test_block_causal_model_refuses_the_cached_methods(block_causal_checkpoint):
     [out] = llm.generate(["hi"], SamplingParams(method="dual-cache", max_tokens=8, block_length=4))
     assert out.finish_reason == "error" and "\n" not in out.error
     assert re.search(r"method 'dual-cache' does not support this model's block-causal \(blocks of 4\) attention "
-                     r"yet; use reference, parallel, flash-cache, lossless, dream, edit$", out.error)
+                     r"yet; use reference, parallel, flash-cache, flash-verify, lossless, dream, edit$", out.error)
     [out] = llm.generate(["hi"], SamplingParams(method="parallel", max_tokens=8, block_length=4))
     assert out.error is None and out.token_ids  # block diffusion over its blocks (decoding/block_diffusion.py)

@@ -13,15 +13,16 @@ prefix every step: the same tokens, for a block's work.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from .base import DecodingMethod, Settings, StepPlan, check, knob
 from .flash_cache import FlashCacheSettings, FlashCacheState
+from .flash_verify import CONTEXT, DRAFT, MASK, FlashVerify, FlashVerifySettings, _compact, _entries
 from .parallel import ParallelSettings
 from .sampling import sample_tokens
-from .transfer import linear_schedule, transfer_top_k
+from .transfer import confidence_ranks, linear_schedule, transfer_top_k
 
 if TYPE_CHECKING:
     from ..batch import DecodeBatch
@@ -32,6 +33,18 @@ if TYPE_CHECKING:
 # A group of a step's pass: (its batch row, "prompt" | "commit" | "current", the block's first position for a
 # prompt block).
 PROMPT, COMMIT, CURRENT = "prompt", "commit", "current"
+
+
+class BlockPass(NamedTuple):
+    """A step's pass as the current block sees it, each [B, block_length]: its columns, tokens, which are past the
+    prompt, the candidates and their confidences (float64), and the columns of the current block's query rows (the
+    first `current_rows` of each)."""
+    block_columns: torch.Tensor
+    block: torch.Tensor
+    generated: torch.Tensor
+    candidates: torch.Tensor
+    confidence: torch.Tensor
+    queries: torch.Tensor
 
 
 class BlockDiffusion(DecodingMethod):
@@ -89,6 +102,13 @@ class BlockDiffusion(DecodingMethod):
         return (prompt // size + batch.counters.block_index) * size
 
     def run(self, runner: ModelRunner, batch: DecodeBatch, plan: StepPlan):
+        drafted = self.forward_block(runner, batch, plan)
+        changed, block_done = self.transfer(batch, drafted.block, drafted.candidates, drafted.confidence,
+                                            drafted.generated)
+        self.finish_step(batch, drafted, changed, block_done)
+
+    def forward_block(self, runner: ModelRunner, batch: DecodeBatch, plan: StepPlan) -> BlockPass:
+        """The step's pass, and the current block's candidates."""
         size, groups = batch.params.block_length, plan.extra
         width = batch.tokens.shape[1]
         first_column = width - batch.lengths  # [B] the column of position 0
@@ -116,10 +136,14 @@ class BlockDiffusion(DecodingMethod):
         candidates, confidence = sample_tokens(logits, batch.temperature, batch.seed, batch.counters.steps,
                                                generated.clamp(min=0), sample=batch.is_sampling,
                                                mask_id=batch.mask_id, kernels=runner.kernels)
-        block = batch.tokens.gather(1, block_columns)
-        changed, block_done = self.transfer(batch, block, candidates, confidence, generated >= 0)
-        self.note_transfer(batch, block_columns, changed)
-        batch.tokens.scatter_(1, block_columns, torch.where(changed, candidates, block))
+        queries = columns[runner.constant([g for g, (_, kind, _) in enumerate(groups) if kind == CURRENT])]
+        return BlockPass(block_columns, batch.tokens.gather(1, block_columns), generated >= 0, candidates,
+                         confidence, queries)
+
+    def finish_step(self, batch: DecodeBatch, drafted: BlockPass, changed: torch.Tensor, block_done: torch.Tensor):
+        """Write the changed tokens and advance the counters (one forward pass)."""
+        self.note_transfer(batch, drafted.block_columns, changed)
+        batch.tokens.scatter_(1, drafted.block_columns, torch.where(changed, drafted.candidates, drafted.block))
         counters = batch.counters
         counters.nfe += 1
         counters.steps += 1
@@ -153,8 +177,9 @@ class LLaDA2Threshold(BlockDiffusion):
 
     def check_model(self, config: ModelConfig, params: SamplingParams):
         super().check_model(config, params)
-        check(params.settings.factor is None, "factor is not LLaDA2's rule: method 'parallel' on a block-causal "
-                                              "model fills by threshold (drop factor)")
+        check(getattr(params.settings, "factor", None) is None,
+              f"factor is not LLaDA2's rule: method {self.name!r} on a block-causal model fills by threshold (drop "
+              f"factor)")
 
     def transfer(self, batch, block, candidates, confidence, generated):
         params = batch.params
@@ -271,3 +296,54 @@ class BlockFlashCache(LLaDA2Threshold):
         decoded_at = batch.state.decoded_at
         current = decoded_at.gather(1, block_columns)
         decoded_at.scatter_(1, block_columns, torch.where(fill, batch.counters.steps[:, None], current))
+
+
+class BlockFlashVerify(BlockFlashCache):
+    """Flash-Verify inside the current block: the draft is `flash-cache`'s pass; the window's masks strictly above
+    `threshold` are accepted at once (D), the others (S) go to one more pass without cache writes over the draft
+    pass's decoded query rows and D (the context), a draft view and a mask view of S under the isolation mask
+    (decoding/flash_verify.py), every row attending up to the block's end; S is accepted in confidence order while
+    the mask view agrees with the draft (or, `acceptance="cumprod"`, while the product of its probabilities holds),
+    at least one token a step. The blocks before stay exact."""
+
+    name = "flash-verify"
+    Settings = FlashVerifySettings
+    replayable = False  # the verify pass's shape is read back in the middle of the step
+
+    def step(self, runner: ModelRunner, batch: DecodeBatch):
+        plan = self.plan(runner, batch)
+        drafted = self.forward_block(runner, batch, plan)
+        tokens, mask_id, size = batch.tokens, batch.mask_id, batch.params.block_length
+        block, drafts, columns = drafted.block, drafted.candidates, drafted.block_columns
+        masked = block == mask_id
+        window = masked & (masked.cumsum(dim=1) <= batch.params.settings.mask_window)
+        confidence = drafted.confidence.masked_fill(~window, float("-inf"))
+        accept_now = window & (confidence > batch.rule_value[:, None])                  # D
+        candidates = window & ~accept_now                                               # S
+        num_candidates = candidates.sum(dim=1)
+        batch.counters.nfe += (num_candidates > 0).long()  # the verify pass, for the rows that have one
+
+        offsets = torch.arange(size, device=tokens.device)
+        current = runner.constant([self.current_rows(batch, row) for row in batch.rows])
+        queries = drafted.queries
+        query_ids = tokens.gather(1, queries)
+        tracked = (offsets < current[:, None]) & (query_ids != mask_id)
+        s_order = confidence_ranks(confidence.masked_fill(~candidates, float("-inf"))).argsort(dim=1)
+        s_columns, s_valid = columns.gather(1, s_order), offsets < num_candidates[:, None]
+        by_rank, draft_ids = offsets.expand_as(s_columns), drafts.gather(1, s_order)
+        entries = [_entries(queries, tracked, query_ids, CONTEXT, 0),
+                   _entries(columns, accept_now, torch.where(accept_now, drafts, block), CONTEXT, 0),
+                   _entries(s_columns, s_valid, draft_ids, DRAFT, by_rank),
+                   _entries(s_columns, s_valid, torch.full_like(s_columns, mask_id), MASK, by_rank)]
+        pass_columns, valid, ids, role, ranks = (torch.cat(part, dim=1) for part in zip(*entries))
+        valid = valid & (num_candidates > 0)[:, None]
+        slot = torch.arange(valid.shape[1], device=valid.device).expand_as(valid)
+        entries = _compact(pass_columns, valid, ids, role, ranks, slot)
+        counts = entries[1].sum(dim=1).tolist()  # the verify pass's shape (a host sync)
+        transfer = accept_now
+        if max(counts) > 0:
+            transfer = transfer | FlashVerify.verify(self, runner, batch, counts, *entries, drafts, s_order, s_columns,
+                                                     s_valid, candidates, block_size=size)
+        stuck = ~transfer.any(dim=1, keepdim=True)                                      # one token at least
+        transfer = transfer | (stuck & window & (confidence_ranks(confidence) == 0))
+        self.finish_step(batch, drafted, transfer, ~(masked & ~transfer).any(dim=1))

@@ -158,13 +158,15 @@ class FlashVerify(FlashCache):
         return source, view_ids
 
     def verify(self, runner, batch, counts, columns, valid, ids, role, ranks, slot, drafts, s_order, s_columns,
-               s_valid, candidates) -> torch.Tensor:
-        """Run the verify pass; return the accepted candidates [B, n]."""
+               s_valid, candidates, block_size: int | None = None) -> torch.Tensor:
+        """Run the verify pass; return the accepted candidates [B, n]. block_size: a block-causal model's, whose
+        current block the pass's rows lie in (they attend up to its end)."""
         settings, device = batch.params.settings, columns.device
         num_slots, max_q = slot.shape[1], max(counts)
         columns, valid, ids, role, ranks, slot = (t[:, :max_q] for t in (columns, valid, ids, role, ranks, slot))
         # The valid entries lead each row (compacted), so the pass takes the first counts[b] of each.
-        p = runner.prepare(batch, counts, columns, input_ids=ids, visibility=verify_visibility(role, ranks, valid))
+        p = runner.prepare(batch, counts, columns, input_ids=ids, visibility=verify_visibility(role, ranks, valid),
+                           block_size=block_size)
         batch.count_query_rows(counts)
         hidden = runner.run(p)
 

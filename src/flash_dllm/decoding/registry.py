@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from .base import DecodingMethod
-from .block_diffusion import BlockFlashCache, DraftAndEdit, LLaDA2Threshold
+from .block_diffusion import BlockFlashCache, BlockFlashVerify, DraftAndEdit, LLaDA2Threshold
 from .diffusion_generate import Dream
 from .dual_cache import DualCache
 from .elastic import Elastic
@@ -16,7 +16,8 @@ from .prefix_cache import PrefixCache
 from .reference import Reference
 
 METHODS: dict[str, DecodingMethod] = {}
-BLOCK_CAUSAL: dict[str, DecodingMethod] = {method.name: method() for method in (LLaDA2Threshold, BlockFlashCache)}
+BLOCK_CAUSAL: dict[str, DecodingMethod] = {method.name: method()
+                                           for method in (LLaDA2Threshold, BlockFlashCache, BlockFlashVerify)}
 DEFAULT_METHOD = Parallel.name
 
 

@@ -244,8 +244,9 @@ class ModelRunner:
         max_kv = max_kv if routed else bucket(max_kv)
         column = columns[rows.request, rows.rank]
         positions = column - (width - batch.lengths)[request]
-        if block_size is not None:
-            kv_len = (positions[rows.cu_seqlens[:-1]] // block_size + 1) * block_size
+        if block_size is not None:  # (an empty group's: any row's, never read)
+            first = rows.cu_seqlens[:-1].clamp(max=max(rows.num_rows - 1, 0))
+            kv_len = (positions[first] // block_size + 1) * block_size
         options = {}
         if track is not None:
             options["track_rows"] = track[request, column]
