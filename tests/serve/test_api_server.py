@@ -469,3 +469,33 @@ def test_step_trace_writes_every_step(llm, start_server, tmp_path):
         assert step["method"] == "parallel" and step["batch_size"] == 1 and step["query_rows"] >= 1
         assert 0 <= step["cpu_seconds"] and 0 < step["seconds"] and step["routed_rows"] == 0
         assert step["running"] <= 1 and step["waiting"] == 0 and step["positions"] > 0 and step["collections"] >= 0
+
+
+def test_a_block_causal_moe_model_serves_its_methods(start_server, tmp_path):
+    """A LLaDA2-format checkpoint behind the API (its start-up included): chat with Draft-and-Edit, a stream of
+    LLaDA2.0's sampler equal to its full text, and a method its attention refuses as a 400 naming the field."""
+    from moe_checkpoints import llada2_config, write_moe_checkpoint
+
+    from flash_dllm.serve.api_server import start_up
+    from flash_dllm.serve.protocol import ServerDefaults
+
+    llm = LLM(str(write_moe_checkpoint(tmp_path, llada2_config(), num_shards=1)), device="cpu", dtype="float32")
+    defaults = ServerDefaults(SamplingParams(method="parallel", max_tokens=24, threshold=0.5))
+    with start_server(llm, defaults=defaults, start_up=lambda: start_up(llm, defaults)) as url, \
+            httpx.Client(base_url=url, timeout=120) as client:
+        while client.get("/health").status_code != 200:
+            time.sleep(0.05)
+        chat = client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "What is 3 + 4?"}], "method": "edit", "threshold": 0.7,
+            "edit_threshold": 0.5})
+        assert chat.status_code == 200, chat.text
+        offline = llm.generate([[{"role": "user", "content": "What is 3 + 4?"}]], SamplingParams(
+            method="edit", max_tokens=24, threshold=0.7, edit_threshold=0.5))[0]
+        assert chat.json()["choices"][0]["message"]["content"] == offline.text
+        full = client.post("/v1/completions", json={"prompt": "The passkey is"}).json()["choices"][0]["text"]
+        streamed = "".join(event["choices"][0]["text"] for event in
+                           stream_events(client, "/v1/completions", {"prompt": "The passkey is", "stream": True}))
+        assert streamed == full
+        refused = client.post("/v1/completions", json={"prompt": "hi", "method": "dual-cache"})
+        assert refused.status_code == 400 and "does not support this model's block-causal" in \
+            refused.json()["error"]["message"]
