@@ -5,7 +5,8 @@
 #   (benchmarks/block_diffusion_eval.py: parallel, edit and flash-cache at three settings);
 #   `bench generate` on random LLaDA2-mini weights (bf16, then FP8 weights) at batch 1 and 32, `parallel` (LLaDA2.0's
 #   sampler) and `edit` (Draft-and-Edit); the weight-read floors of the experts each step touches
-#   (benchmarks/moe_floor.py). MINUTES: the training's budget (default 4); FP8=0 skips the FP8 row.
+#   (benchmarks/moe_floor.py). PART=check (tests, benches), train (training, evaluation) or all (default);
+#   MINUTES: the training's budget (default 4); FP8=0 skips the FP8 row.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src
@@ -16,12 +17,16 @@ gen() {  # gen NAME SECONDS MODEL [OPTIONS...]
   TAIL=6 step "$name" "$limit" python -m flash_dllm.cli bench generate --model "$model" --batch-sizes 1 32 \
       --prompts random --prompt-length 256 --max-tokens 128 "$@"
 }
-step gpu_tests 60 python -m pytest -q -p no:cacheprovider tests/kernels/test_moe_experts.py \
-    tests/decoding/test_block_diffusion.py
-TAIL=8 step train $((${MINUTES:-4} * 60 + 60)) python training/train_llada2.py --out "$OUT/llada2/model" \
-    --minutes "${MINUTES:-4}" --edit-noise 0.1 --eval 0
-TAIL=12 step evals 80 python benchmarks/block_diffusion_eval.py --model "$OUT/llada2/model" --items 100
-gen llada2_bf16 80 random:llada2-mini --methods parallel edit
-[ "${FP8:-1}" = 1 ] && gen llada2_fp8 70 random:llada2-mini --methods parallel edit --quantization fp8
-TAIL=20 step floors 15 bash -c "python benchmarks/moe_floor.py --gpu $GPU; \
-    python benchmarks/moe_floor.py --gpu $GPU --quantization fp8 | tail -2"
+case "${PART:-all}" in
+check|all)
+  step gpu_tests 60 python -m pytest -q -p no:cacheprovider tests/kernels/test_moe_experts.py \
+      tests/decoding/test_block_diffusion.py
+  gen llada2_bf16 80 random:llada2-mini --methods parallel edit
+  [ "${FP8:-1}" = 1 ] && gen llada2_fp8 70 random:llada2-mini --methods parallel edit --quantization fp8
+  TAIL=20 step floors 15 bash -c "python benchmarks/moe_floor.py --gpu $GPU; \
+      python benchmarks/moe_floor.py --gpu $GPU --quantization fp8 | tail -2" ;;&
+train|all)
+  TAIL=8 step train $((${MINUTES:-4} * 60 + 60)) python training/train_llada2.py --out "$OUT/llada2/model" \
+      --minutes "${MINUTES:-4}" --edit-noise 0.1 --eval 0
+  TAIL=12 step evals 80 python benchmarks/block_diffusion_eval.py --model "$OUT/llada2/model" --items 100 ;;
+esac
