@@ -15,6 +15,12 @@ import pytest
 # (OpenBLAS 0.3.31: 34 of 64 rows of a 64x32 @ 32x64 product), which the bit-identity tests of the invariant kernels
 # see as batch dependence; its SSE3 kernel (Prescott) does not. Read when numpy loads, so before torch.
 os.environ["OPENBLAS_CORETYPE"] = "Prescott"
+# Under pytest-xdist (-n N) the workers share the cores: each takes its share of threads (torch's, and OpenBLAS's for
+# the interpreter's tl.dot), and so do the processes it starts. Oversubscribed, a worker's idle OpenMP threads spin
+# and starve the other (2 workers of 2 threads on 2 cores: 3x slower). Read when numpy and torch load.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    os.environ.setdefault("OMP_NUM_THREADS",
+                          str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 import torch  # noqa: E402
 
 if not torch.cuda.is_available():  # Triton kernels run under the interpreter; read when a kernel is defined
@@ -22,6 +28,7 @@ if not torch.cuda.is_available():  # Triton kernels run under the interpreter; r
 
 from flash_dllm import LLM  # noqa: E402
 from flash_dllm.config import PRESETS
+from flash_dllm.engine import model_runner
 from flash_dllm.models import random_model, save_checkpoint
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "training"))
@@ -73,6 +80,22 @@ def _config_dir(path: Path, config: dict) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config))
     return path
+
+
+# The KV cache's default on the CPU is 40% of MemAvailable up to 1 GiB, zeroed when a cached method first runs (Elastic-
+# Cache's hidden states beside it): every LLM of a test would touch a GiB or more (test_batch_invariant.py's prefix-cache
+# and elastic cases: 8.7 GB resident, 21 of their 33 s in the kernel's page faults), two test workers at once on CI's
+# 24 GB. The tests' LLMs that give no kv_cache_bytes get at most this: 14,500 rows of the embedded model in fp32,
+# half a million of the tiny models'. Processes that a test starts keep the real default.
+TEST_CACHE_BYTES = 256 << 20
+
+
+@pytest.fixture(scope="session", autouse=True)
+def small_default_kv_cache():
+    default = model_runner.default_cache_budget
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(model_runner, "default_cache_budget", lambda device: min(default(device), TEST_CACHE_BYTES))
+        yield
 
 
 @pytest.fixture(scope="session")

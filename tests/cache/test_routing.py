@@ -281,8 +281,8 @@ def test_a_small_budget_reads_less_and_the_kernels_route_as_the_reference(gqa_ch
     from the cache. Dual-cache (full and block passes), Flash-Verify (a Flash-Cache draft pass and the verify
     pass, which writes no cache) and Elastic-Cache (refresh passes over some layers): the interpreted kernels
     are slow on the CPU."""
-    params = SamplingParams(max_tokens=8, block_length=8, threshold=1.0, kv_routing=policy, kv_budget=0.5,
-                            **knobs)
+    params = SamplingParams(max_tokens=4, block_length=4, threshold=1.0, kv_routing=policy, kv_budget=0.5,
+                            **knobs)  # 4 steps: the first pass and 3 cached ones (Elastic-Cache's refresh twice)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # on the CPU the kernels run interpreted (conftest)
     outputs = {kernels: LLM(gqa_checkpoint, device=device, dtype="float32", kernels=kernels).generate(
         prompts(2), params, use_tqdm=False) for kernels in (False, True)}

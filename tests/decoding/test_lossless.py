@@ -47,7 +47,7 @@ def test_equals_reference_with_its_states_in_groups(llm, monkeypatch, temperatur
 
 def test_equals_reference_with_fewer_passes_on_the_embedded_model():
     llm = LLM(device="cpu")
-    prompts = [item.prompt for item in load_test_set("arith")[:1] + load_test_set("trace")[:1]]  # 128 steps: CI time
+    prompts = [load_test_set("arith")[0].prompt]  # its answer (56 tokens) stops in the second block: CI time
     reference = llm.generate(prompts, SamplingParams(method="reference", max_tokens=128, block_length=32))
     lossless = llm.generate(prompts, SamplingParams(method="lossless", max_tokens=128, block_length=32,
                                                     draft_length=3))

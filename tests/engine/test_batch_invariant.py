@@ -1,7 +1,7 @@
 """Batch-invariant decoding: with batch_invariant=True every method decodes each request to the same tokens
 alone and in batches of 2, 8 and 32 (continuous batching refills the smaller ones), in bf16 on random weights
 whose near-ties flip on any change of rounding; and twice the same. On the PyTorch path (CPU) and on the kernel
-path (the GPU's; interpreted on the CPU, on fewer prompts)."""
+path (the GPU's; interpreted on the CPU, on fewer prompts and tokens)."""
 from __future__ import annotations
 
 import pytest
@@ -19,9 +19,10 @@ KNOBS = {"parallel": dict(threshold=0.9), "prefix-cache": dict(threshold=0.9), "
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    """16 prompts of 3 to 100 tokens: a batch pads the short ones by up to 97 columns."""
+    """10 prompts of 3 to 100 tokens: a batch pads the short ones by up to 97 columns; more than a batch of 8 holds
+    (a refill), fewer than 32 (all at once). The rows cost CI time on the CPU (16 prompts: twice the time)."""
     g = torch.Generator().manual_seed(1)
-    lengths = [3, 100, 17, 64, 5, 41, 88, 9, 30, 72, 12, 55, 96, 23, 7, 47]
+    lengths = [3, 100, 17, 64, 5, 41, 88, 9, 30, 72]
     return [torch.randint(5, 320, (n,), generator=g).tolist() for n in lengths]
 
 
@@ -38,7 +39,7 @@ def test_alone_and_in_any_batch_give_the_same_tokens(llms, prompts, method):
     assert any(alone)
     for size in (2, 8, 32):
         assert [out.token_ids for out in llms[size].generate(prompts, params, use_tqdm=False)] == alone, size
-    assert [out.token_ids for out in llms[8].generate(prompts, params, use_tqdm=False)] == alone  # and again
+    assert [out.token_ids for out in llms[2].generate(prompts, params, use_tqdm=False)] == alone  # and again
 
 
 @pytest.mark.parametrize("method", ["parallel", "flash-verify", "dream"])
@@ -72,8 +73,9 @@ ON_THE_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="interpret
 def test_the_kernel_path_is_batch_invariant_too(kernel_llms, prompts, method):
     """The invariant GEMM, one tiling of the attention and norm kernels, the key mass summed in order; Elastic's
     drift test through the invariant GEMM, batched matmul and sums."""
-    params = SamplingParams(method=method, max_tokens=8, block_length=8, **KNOBS.get(method, {}))
-    subset = [prompts[i] for i in (0, 2)]  # 3 and 17 tokens: the interpreter is slow
+    # one block of 4 (its first pass and 3 cached passes) and 3 and 17 tokens of prompt: the interpreter is slow
+    params = SamplingParams(method=method, max_tokens=4, block_length=4, **KNOBS.get(method, {}))
+    subset = [prompts[i] for i in (0, 2)]
     alone = [out.token_ids for out in kernel_llms[1].generate(subset, params, use_tqdm=False)]
     assert any(alone)
     assert [out.token_ids for out in kernel_llms[8].generate(subset, params, use_tqdm=False)] == alone

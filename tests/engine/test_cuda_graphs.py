@@ -99,10 +99,10 @@ def test_whole_steps_go_through_the_step_graphs_in_place(gqa_checkpoint, knobs, 
     storage = {}
     finish_state = LLMEngine._finish_state
 
-    def checked_finish_state(engine, batch):
+    def checked_finish_state(engine, method, batch):
         before = storage.setdefault(batch.number, batch_tensors(batch))
         assert batch_tensors(batch) == before
-        return finish_state(engine, batch)
+        return finish_state(engine, method, batch)
 
     monkeypatch.setattr(LLMEngine, "_finish_state", checked_finish_state)
     for engine in (llm.engine, LLMEngine(llm.runner, llm.special, 2)):

@@ -479,7 +479,8 @@ def test_a_block_causal_moe_model_serves_its_methods(start_server, tmp_path):
     from flash_dllm.serve.api_server import start_up
     from flash_dllm.serve.protocol import ServerDefaults
 
-    llm = LLM(str(write_moe_checkpoint(tmp_path, llada2_config(), num_shards=1)), device="cpu", dtype="float32")
+    path = str(write_moe_checkpoint(tmp_path, llada2_config(), num_shards=1))
+    llm = LLM(path, device="cpu", dtype="float32")
     defaults = ServerDefaults(SamplingParams(method="parallel", max_tokens=24, threshold=0.5))
     with start_server(llm, defaults=defaults, start_up=lambda: start_up(llm, defaults)) as url, \
             httpx.Client(base_url=url, timeout=120) as client:
@@ -489,8 +490,10 @@ def test_a_block_causal_moe_model_serves_its_methods(start_server, tmp_path):
             "messages": [{"role": "user", "content": "What is 3 + 4?"}], "method": "edit", "threshold": 0.7,
             "edit_threshold": 0.5})
         assert chat.status_code == 200, chat.text
-        offline = llm.generate([[{"role": "user", "content": "What is 3 + 4?"}]], SamplingParams(
-            method="edit", max_tokens=24, threshold=0.7, edit_threshold=0.5))[0]
+        # an LLM of its own: the server's engine thread steps `llm`'s engine, and would step this request too
+        offline = LLM(path, device="cpu", dtype="float32").generate(
+            [[{"role": "user", "content": "What is 3 + 4?"}]],
+            SamplingParams(method="edit", max_tokens=24, threshold=0.7, edit_threshold=0.5))[0]
         assert chat.json()["choices"][0]["message"]["content"] == offline.text
         full = client.post("/v1/completions", json={"prompt": "The passkey is"}).json()["choices"][0]["text"]
         streamed = "".join(event["choices"][0]["text"] for event in
