@@ -79,6 +79,20 @@ def make_chunk(seed: int, short_items: int, retrieval_tokens: int, retrieval_len
     return chunk
 
 
+def start_checkpoint(assets: Path, out: Path, config: dict):
+    """The output directory of a run: the tokenizer files of `assets` (checked: our fast chat formatting is the
+    tokenizer's template) and config.json."""
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(assets / name, out / name)
+    from transformers import PreTrainedTokenizerFast
+    hf_tokenizer = PreTrainedTokenizerFast.from_pretrained(str(assets))
+    for item in load_test_set("arith")[:3]:
+        assert hf_tokenizer.apply_chat_template([{"role": "user", "content": item.prompt}], tokenize=False,
+                                                add_generation_prompt=True) == chat_prompt(item.prompt)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+
+
 def collate(pairs, device):
     """Left-padded ids [B, L], key mask [B, L], answer targets [B, ANSWER_TOKENS] (answers end every row)."""
     width = max(len(p) for p, _ in pairs) + ANSWER_TOKENS
@@ -129,16 +143,7 @@ def main():
     torch.manual_seed(args.seed)
     torch.backends.cuda.matmul.allow_tf32 = True
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(args.assets / name, args.out / name)
-    from transformers import PreTrainedTokenizerFast
-    hf_tokenizer = PreTrainedTokenizerFast.from_pretrained(str(args.assets))
-    for item in load_test_set("arith")[:3]:  # our fast chat formatting == the tokenizer's template
-        assert hf_tokenizer.apply_chat_template([{"role": "user", "content": item.prompt}], tokenize=False,
-                                                add_generation_prompt=True) == chat_prompt(item.prompt)
-
-    (args.out / "config.json").write_text(json.dumps(MODEL_CONFIG, indent=2))
+    start_checkpoint(args.assets, args.out, MODEL_CONFIG)
     if args.init:
         model = load_model(args.init, device, torch.float32)
     else:

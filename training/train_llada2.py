@@ -18,7 +18,6 @@ import functools
 import json
 import math
 import multiprocessing as mp
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train import BOS, EOS, EOT, MASK, chat_prompt, init_worker, make_chunk  # noqa: E402
+from train import BOS, EOS, EOT, MASK, chat_prompt, init_worker, make_chunk, start_checkpoint  # noqa: E402
 
 from flash_dllm.config import PRESETS  # noqa: E402
 from flash_dllm.models import load_model, random_model, save_checkpoint  # noqa: E402
@@ -155,16 +154,7 @@ def main():
     torch.manual_seed(args.seed)
     torch.backends.cuda.matmul.allow_tf32 = True
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(args.assets / name, args.out / name)
-    from transformers import PreTrainedTokenizerFast
-    hf_tokenizer = PreTrainedTokenizerFast.from_pretrained(str(args.assets))
-    for item in load_test_set("arith")[:3]:  # our fast chat formatting == the tokenizer's template
-        assert hf_tokenizer.apply_chat_template([{"role": "user", "content": item.prompt}], tokenize=False,
-                                                add_generation_prompt=True) == chat_prompt(item.prompt)
-
-    (args.out / "config.json").write_text(json.dumps(MODEL_CONFIG, indent=2))
+    start_checkpoint(args.assets, args.out, MODEL_CONFIG)
     if args.init:
         model = load_model(args.init, device, torch.float32)
     else:
