@@ -67,6 +67,16 @@ def refuse_unsupported(cfg: dict, implemented: dict):
             raise ValueError(f"config.json: {key}={cfg[key]!r} is not supported (expected {expected!r})")
 
 
+def required_ints(cfg: dict, *keys: str) -> tuple[int, ...]:
+    """config.json's values of `keys` as ints; a missing or null one is a one-line error naming it."""
+    for key in keys:
+        if key not in cfg:
+            raise ValueError(f"config.json: missing required key {key!r}")
+        if cfg[key] is None:
+            raise ValueError(f"config.json: a required key is null: {key!r}")
+    return tuple(int(cfg[key]) for key in keys)
+
+
 class DiffusionLM(nn.Module):
     model_type: ClassVar[str]  # config.json's model_type
     # config.json's `architectures` names this class implements, which tell it apart from others of its model_type;

@@ -3,7 +3,7 @@ an untied LM head and shifted logits, in its checkpoint's names (`model.layers.{
 from __future__ import annotations
 
 from ..config import ModelConfig
-from .base import DiffusionLM, refuse_unsupported
+from .base import DiffusionLM, refuse_unsupported, required_ints
 
 # config.json keys of the Dream (Qwen2) format that we implement exactly; any other value is refused.
 _REQUIRED = {
@@ -29,12 +29,8 @@ class DreamModel(DiffusionLM):
     @classmethod
     def parse_config(cls, cfg: dict) -> ModelConfig:
         refuse_unsupported(cfg, _REQUIRED)
-        try:
-            hidden, n_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-            n_layers, intermediate = int(cfg["num_hidden_layers"]), int(cfg["intermediate_size"])
-            vocab_size = int(cfg["vocab_size"])
-        except KeyError as e:
-            raise ValueError(f"config.json: missing required key {e.args[0]!r}") from None
+        hidden, n_heads, n_layers, intermediate, vocab_size = required_ints(
+            cfg, "hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size")
         if hidden % n_heads:
             raise ValueError(f"config.json: hidden_size ({hidden}) is not divisible by num_attention_heads "
                              f"({n_heads})")

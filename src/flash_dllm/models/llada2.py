@@ -10,7 +10,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..config import AttentionPattern
-from .base import DiffusionLM, refuse_unsupported
+from .base import DiffusionLM, refuse_unsupported, required_ints
 from .layers import GatedMLP
 from .moe import MoEConfig, SparseMoE
 
@@ -44,15 +44,9 @@ class LLaDA2Model(DiffusionLM):
     @classmethod
     def parse_config(cls, cfg: dict) -> MoEConfig:
         refuse_unsupported(cfg, _REQUIRED)
-        try:
-            hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-            n_layers, vocab_size = int(cfg["num_hidden_layers"]), int(cfg["vocab_size"])
-            experts, width = int(cfg["num_experts"]), int(cfg["moe_intermediate_size"])
-            per_token = int(cfg["num_experts_per_tok"])
-        except KeyError as e:
-            raise ValueError(f"config.json: missing required key {e.args[0]!r}") from None
-        except TypeError as e:
-            raise ValueError(f"config.json: a required key is null ({e})") from None
+        hidden, heads, n_layers, vocab_size, experts, width, per_token = required_ints(
+            cfg, "hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "num_experts",
+            "moe_intermediate_size", "num_experts_per_tok")
         head_dim = int(cfg.get("head_dim") or hidden // heads)
         rotary = int(cfg.get("rotary_dim") or head_dim * float(cfg.get("partial_rotary_factor", 1.0)))
         block = int(cfg.get("block_size") or BLOCK_SIZE)

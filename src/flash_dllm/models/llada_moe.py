@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .base import DiffusionLM, refuse_unsupported
+from .base import DiffusionLM, refuse_unsupported, required_ints
 from .moe import MoEConfig, SparseMoE
 
 # config.json keys of the format that we implement exactly; any other value is refused.
@@ -51,15 +51,9 @@ class LLaDAMoEModel(DiffusionLM):
         if any(f != 1 for f in frequencies):
             raise ValueError(f"config.json: moe_layer_freq={frequencies!r} is not supported (every layer a mixture "
                              f"of experts)")
-        try:
-            hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-            n_layers, vocab_size = int(cfg["num_hidden_layers"]), int(cfg["vocab_size"])
-            experts, width = int(cfg["num_experts"]), int(cfg["expert_intermediate_size"])
-            per_token = int(cfg["num_experts_per_tok"])
-        except KeyError as e:
-            raise ValueError(f"config.json: missing required key {e.args[0]!r}") from None
-        except TypeError as e:
-            raise ValueError(f"config.json: a required key is null ({e})") from None
+        hidden, heads, n_layers, vocab_size, experts, width, per_token = required_ints(
+            cfg, "hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "num_experts",
+            "expert_intermediate_size", "num_experts_per_tok")
         if hidden % heads:
             raise ValueError(f"config.json: hidden_size ({hidden}) is not divisible by num_attention_heads ({heads})")
         return MoEConfig(
