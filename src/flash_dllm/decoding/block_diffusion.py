@@ -95,12 +95,6 @@ class BlockDiffusion(DecodingMethod):
     def note_transfer(self, batch: DecodeBatch, block_columns: torch.Tensor, fill: torch.Tensor):
         """Per-position bookkeeping of what this step changed (before the tokens change)."""
 
-    def block_start(self, runner: ModelRunner, batch: DecodeBatch) -> torch.Tensor:
-        """[B] the first position of each row's current block."""
-        size = batch.params.block_length
-        prompt = runner.constant([row.prompt_length for row in batch.rows])
-        return (prompt // size + batch.counters.block_index) * size
-
     def run(self, runner: ModelRunner, batch: DecodeBatch, plan: StepPlan):
         drafted = self.forward_block(runner, batch, plan)
         changed, block_done = self.transfer(batch, drafted.block, drafted.candidates, drafted.confidence,
@@ -112,7 +106,8 @@ class BlockDiffusion(DecodingMethod):
         size, groups = batch.params.block_length, plan.extra
         width = batch.tokens.shape[1]
         first_column = width - batch.lengths  # [B] the column of position 0
-        start = self.block_start(runner, batch)
+        prompt = runner.constant([row.prompt_length for row in batch.rows])
+        start = (prompt // size + batch.counters.block_index) * size  # [B] the current block's first position
         offsets = torch.arange(size, device=start.device)
         positions = start[:, None] + offsets  # [B, size] the current block
         block_columns = first_column[:, None] + positions
@@ -132,7 +127,7 @@ class BlockDiffusion(DecodingMethod):
         if key_mass is not None:
             self.store_key_mass(batch, torch.zeros_like(key_mass[:len(batch.rows)]).index_add_(0, order_t, key_mass))
         logits = runner.logits(hidden, p.flat_of_column, block_columns)
-        generated = positions - runner.constant([row.prompt_length for row in batch.rows])[:, None]
+        generated = positions - prompt[:, None]
         candidates, confidence = sample_tokens(logits, batch.temperature, batch.seed, batch.counters.steps,
                                                generated.clamp(min=0), sample=batch.is_sampling,
                                                mask_id=batch.mask_id, kernels=runner.kernels)
