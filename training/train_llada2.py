@@ -94,14 +94,17 @@ class ExpertBalancer:
         self.rate = rate
         self.loads = torch.zeros(len(self.moes), model.config.num_experts, device=next(model.parameters()).device)
         self.real_tokens = None  # [B * L] the step's key mask: pads are not counted
+        self.rows_seen = [0] * len(self.moes)  # the layer's MLP runs in row chunks (layers.MLP_CHUNK_ROWS)
         for i, moe in enumerate(self.moes):
             moe.expert_bias.requires_grad_(False)  # it only selects experts: it has no gradient
             moe.register_forward_hook(functools.partial(self._count, i))
 
     @torch.no_grad()
     def _count(self, i, moe, args, output):
-        x = args[0]
-        rows = x.reshape(-1, x.shape[-1])[self.real_tokens]
+        x = args[0].reshape(-1, args[0].shape[-1])
+        seen = self.rows_seen[i]
+        rows = x[self.real_tokens[seen:seen + len(x)]]
+        self.rows_seen[i] = (seen + len(x)) % len(self.real_tokens)
         chosen, _ = route(F.linear(rows.float(), moe.router_weight.float()), moe.cfg, moe.expert_bias)
         self.loads[i] += torch.bincount(chosen.flatten(), minlength=self.loads.shape[1])
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from .cache.routing import POLICIES
 from .decoding.base import check, check_type
-from .decoding.registry import DEFAULT_METHOD, METHODS, method_of
+from .decoding.registry import DEFAULT_METHOD, METHODS, method_of, variants
 
 DEFAULT_KV_BUDGET = 0.125  # the fraction of a routed prompt's keys a step reads, when kv_routing is given alone
 
@@ -71,9 +71,8 @@ class SamplingParams:
         if kv_routing is not None and kv_budget is None:
             object.__setattr__(self, "kv_budget", kv_budget := DEFAULT_KV_BUDGET)
         check(kv_budget is None or 0 < kv_budget <= 1, f"kv_budget must be in (0, 1], got {kv_budget}")
-        check(kv_routing is None or decoding.uses_cache,
-              f"kv_routing routes the KV cache's prompt keys: method {method!r} keeps no cache; use one of "
-              f"{', '.join(m.name for m in METHODS.values() if m.uses_cache)}")
+        # (`parallel` keeps a cache on a block-causal model: the engine checks the model's variant)
+        check(kv_routing is None or any(m.uses_cache for m in variants(method)), no_cache_to_route(method))
         decoding.validate(self)
 
     @property
@@ -96,6 +95,12 @@ class SamplingParams:
         common = {name: getattr(self, name) for name in ("method", "max_tokens", "block_length", "temperature",
                                                          "seed", "kv_routing", "kv_budget")}
         return {**common, **dataclasses.asdict(self.settings)}
+
+
+def no_cache_to_route(method: str) -> str:
+    """The error of kv_routing with a method that keeps no KV cache."""
+    return (f"kv_routing routes the KV cache's prompt keys: method {method!r} keeps no cache; use one of "
+            f"{', '.join(m.name for m in METHODS.values() if m.uses_cache)}")
 
 
 def _settings_from_keywords(method: str, given: dict):

@@ -324,8 +324,13 @@ def test_settings_are_checked(gqa_checkpoint):
         SamplingParams(method="dual-cache", kv_routing="quest")
     with pytest.raises(ValueError, match=r"kv_budget must be in \(0, 1\]"):
         SamplingParams(method="dual-cache", kv_routing="chunk", kv_budget=0.0)
-    with pytest.raises(ValueError, match="keeps no cache"):
-        SamplingParams(method="parallel", kv_routing="chunk")
+    with pytest.raises(ValueError, match="method 'reference' keeps no cache"):
+        SamplingParams(method="reference", kv_routing="chunk")
+    # `parallel` keeps the block cache on a block-causal model (tests/decoding/test_block_diffusion.py), not here
+    out = LLM(gqa_checkpoint, device="cpu", dtype="float32").generate(
+        prompts(1), SamplingParams(method="parallel", kv_routing="chunk"), use_tqdm=False)[0]
+    assert out.error.startswith("prompt 0: kv_routing routes the KV cache's prompt keys: method 'parallel' keeps no "
+                                "cache; use one of prefix-cache")
     llm = LLM(gqa_checkpoint, device="cpu", dtype="float32", batch_invariant=True)
     out = llm.generate(prompts(1), SamplingParams(method="dual-cache", kv_routing="chunk"), use_tqdm=False)[0]
     assert out.finish_reason == "error" and "not batch-invariant" in out.error

@@ -215,6 +215,33 @@ def test_the_kernels_decode_the_same_tokens(llm, method, settings):
     assert [out.token_ids for out in kernels.generate(PROMPTS[1:2], params)] == expected
 
 
+def long_prompts(count: int = 2, length: int = 300) -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(5, 300, (length + 7 * i,), generator=g).tolist() for i in range(count)]
+
+
+@pytest.mark.parametrize("method, settings", [("parallel", dict(threshold=0.5)),
+                                              ("flash-verify", dict(threshold=0.9, mask_window=8, tracking_budget=8,
+                                                                    verify_threshold=0.3))])
+def test_kv_routing_reads_part_of_the_prompt_in_the_blocks_after_it(llm, method, settings):
+    """A budget of 1 is the dense block cache; under 1 the passes without prompt rows (the blocks after the one that
+    holds the prompt's end) read the routed chunks, through the kernels (interpreted on the CPU) as through the
+    reference; the first block, which recomputes the prompt's last rows, reads every key."""
+    params = lambda **routing: SamplingParams(method=method, max_tokens=40, **settings, **routing)
+    dense = llm.generate(long_prompts(), params())
+    assert [o.token_ids for o in llm.generate(long_prompts(), params(kv_routing="chunk", kv_budget=1.0))] == \
+        [o.token_ids for o in dense]
+    kernels = LLM(str(llm.path), device=DEVICE, dtype="float32", kernels=True)
+    kernels.model.lm_head.weight[kernels.special.stop_ids[0]] *= 2.0
+    routed = {engine: engine.generate(long_prompts(), params(kv_routing="chunk", kv_budget=0.2))
+              for engine in (llm, kernels)}
+    assert [o.token_ids for o in routed[kernels]] == [o.token_ids for o in routed[llm]]
+    assert [o.prompt_kv_read for o in routed[kernels]] == pytest.approx([o.prompt_kv_read for o in routed[llm]])
+    assert all(0.2 < o.prompt_kv_read < 1 for o in routed[llm])  # the first block's passes read it all
+    kmeans = llm.generate(["hi"], params(kv_routing="kmeans"))[0]
+    assert kmeans.error.startswith("prompt 0: kv_routing 'kmeans' lays a prompt's keys out region by region")
+
+
 def test_requests_decode_the_same_alone_and_joining_a_running_batch(llm):
     """Continuous batching: a request that joins while others run (mid-block, at another block index) decodes as it
     does alone."""

@@ -8,7 +8,8 @@ after the generation are masks like the others and are dropped (`tail_tokens`). 
 current block's rows only, against the cache of every earlier block; the step after a block ends also writes that
 block's K/V from its final tokens (one more group of rows in the same pass), and the first step writes the prompt's
 whole blocks, each group of rows attending up to its own block's end. The published generate() re-runs the whole
-prefix every step: the same tokens, for a block's work.
+prefix every step: the same tokens, for a block's work. Under kv_routing, the passes without prompt rows (the blocks
+after the one that holds the prompt's end) read the prompt's routed chunks (cache/routing.py).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import torch
 
 from .base import DecodingMethod, Settings, StepPlan, check, knob
 from .flash_cache import FlashCacheSettings, FlashCacheState
-from .flash_verify import CONTEXT, DRAFT, MASK, FlashVerify, FlashVerifySettings, _compact, _entries
+from .flash_verify import CONTEXT, DRAFT, MASK, FlashVerify, FlashVerifySettings, compact_entries, verify_entries
 from .parallel import ParallelSettings
 from .sampling import sample_tokens
 from .transfer import confidence_ranks, linear_schedule, transfer_top_k
@@ -58,8 +59,9 @@ class BlockDiffusion(DecodingMethod):
         block = config.attention.block_size
         check(params.block_length == block, f"block_length must be {block} on this model (its attention's blocks), "
                                             f"got {params.block_length}")
-        check(params.kv_routing is None, f"kv_routing is not supported by method {self.name!r} on a block-causal "
-                                         f"model yet")
+        check(params.kv_routing != "kmeans", "kv_routing 'kmeans' lays a prompt's keys out region by region when a "
+                                             "pass writes its whole sequence, which a block-causal model never does "
+                                             "(it writes block by block): use chunk, centroid, window or random")
 
     def tail_tokens(self, params: SamplingParams) -> int:
         return params.block_length  # at most a block's positions past the generation: the same for every row
@@ -326,14 +328,14 @@ class BlockFlashVerify(BlockFlashCache):
         s_order = confidence_ranks(confidence.masked_fill(~candidates, float("-inf"))).argsort(dim=1)
         s_columns, s_valid = columns.gather(1, s_order), offsets < num_candidates[:, None]
         by_rank, draft_ids = offsets.expand_as(s_columns), drafts.gather(1, s_order)
-        entries = [_entries(queries, tracked, query_ids, CONTEXT, 0),
-                   _entries(columns, accept_now, torch.where(accept_now, drafts, block), CONTEXT, 0),
-                   _entries(s_columns, s_valid, draft_ids, DRAFT, by_rank),
-                   _entries(s_columns, s_valid, torch.full_like(s_columns, mask_id), MASK, by_rank)]
+        entries = [verify_entries(queries, tracked, query_ids, CONTEXT, 0),
+                   verify_entries(columns, accept_now, torch.where(accept_now, drafts, block), CONTEXT, 0),
+                   verify_entries(s_columns, s_valid, draft_ids, DRAFT, by_rank),
+                   verify_entries(s_columns, s_valid, torch.full_like(s_columns, mask_id), MASK, by_rank)]
         pass_columns, valid, ids, role, ranks = (torch.cat(part, dim=1) for part in zip(*entries))
         valid = valid & (num_candidates > 0)[:, None]
         slot = torch.arange(valid.shape[1], device=valid.device).expand_as(valid)
-        entries = _compact(pass_columns, valid, ids, role, ranks, slot)
+        entries = compact_entries(pass_columns, valid, ids, role, ranks, slot)
         counts = entries[1].sum(dim=1).tolist()  # the verify pass's shape (a host sync)
         transfer = accept_now
         if max(counts) > 0:

@@ -52,12 +52,12 @@ def verify_visibility(role: torch.Tensor, rank: torch.Tensor, valid: torch.Tenso
     return (sees_context | sees_mask | sees_draft) & valid[:, None, :]
 
 
-def _entries(columns, valid, ids, role: int, rank) -> tuple[torch.Tensor, ...]:
+def verify_entries(columns, valid, ids, role: int, rank) -> tuple[torch.Tensor, ...]:
     """One group of verify-pass entries [B, k]: columns, valid, token ids, role and rank (a tensor or 0)."""
     return columns, valid, ids, torch.full_like(columns, role), torch.zeros_like(columns) + rank
 
 
-def _compact(keys: torch.Tensor, valid: torch.Tensor, *values: torch.Tensor):
+def compact_entries(keys: torch.Tensor, valid: torch.Tensor, *values: torch.Tensor):
     """Move each row's valid entries to the front, keeping their order."""
     order = torch.where(valid, torch.arange(valid.shape[1], device=valid.device), valid.shape[1]).argsort(dim=1)
     return [t.gather(1, order) for t in (keys, valid, *values)]
@@ -128,18 +128,18 @@ class FlashVerify(FlashCache):
         s_valid = torch.arange(n, device=device) < num_candidates[:, None]
         by_rank = torch.arange(n, device=device).expand_as(s_columns)
         draft_ids, mask_ids = drafts.gather(1, s_order), torch.full_like(s_columns, mask_id)
-        entries = [_entries(safe_queries, tracked, tokens.gather(1, safe_queries), CONTEXT, 0),
-                   _entries(columns, accept_now, torch.where(accept_now, drafts, block), CONTEXT, 0),
-                   _entries(s_columns, s_valid, draft_ids, DRAFT, by_rank),
-                   _entries(s_columns, s_valid, mask_ids, MASK, by_rank)]
+        entries = [verify_entries(safe_queries, tracked, tokens.gather(1, safe_queries), CONTEXT, 0),
+                   verify_entries(columns, accept_now, torch.where(accept_now, drafts, block), CONTEXT, 0),
+                   verify_entries(s_columns, s_valid, draft_ids, DRAFT, by_rank),
+                   verify_entries(s_columns, s_valid, mask_ids, MASK, by_rank)]
         if runner.logit_shift:
             source, view_ids = self.predictors(runner.logit_shift, tokens, columns, accept_now, drafts, s_columns,
                                                s_valid, draft_ids, by_rank)
-            entries.append(_entries(source, s_valid, view_ids, PREDICT, by_rank))
+            entries.append(verify_entries(source, s_valid, view_ids, PREDICT, by_rank))
         pass_columns, valid, ids, role, ranks = (torch.cat(part, dim=1) for part in zip(*entries))
         valid = valid & (num_candidates > 0)[:, None]
         slot = torch.arange(valid.shape[1], device=device).expand_as(valid)          # where each entry started
-        entries = _compact(pass_columns, valid, ids, role, ranks, slot)
+        entries = compact_entries(pass_columns, valid, ids, role, ranks, slot)
         return (drafts, masked, confidence, accept_now, candidates, s_order, s_columns, s_valid,
                 entries[1].sum(dim=1), *entries)
 

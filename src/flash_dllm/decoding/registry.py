@@ -34,6 +34,11 @@ def methods_for(attention: str) -> list[str]:
     return [name for name in METHODS if attention in method_of(name, attention).attention_patterns]
 
 
+def variants(name: str) -> list[DecodingMethod]:
+    """The method `name` on each kind of attention that has its own (METHODS', then BLOCK_CAUSAL's)."""
+    return [METHODS[name]] + ([BLOCK_CAUSAL[name]] if name in BLOCK_CAUSAL else [])
+
+
 def method_of(name: str, attention: str = "bidirectional") -> DecodingMethod:
     """The method `name` on a model of `attention` (config.ATTENTION_KINDS)."""
     if name not in METHODS:

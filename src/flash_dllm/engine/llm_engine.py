@@ -24,7 +24,7 @@ from ..cache import CacheAllocator
 from ..cache.attention_metadata import device_tensor
 from ..decoding.base import DecodingMethod
 from ..decoding.registry import METHODS, method_of, methods_for
-from ..sampling_params import SamplingParams
+from ..sampling_params import SamplingParams, no_cache_to_route
 from ..tokenizer import SpecialTokens
 from .counters import StepShape, work_class
 from .model_runner import ModelRunner
@@ -84,6 +84,8 @@ class LLMEngine:
             raise ValueError(f"method {method.name!r} does not support this model's {attention} attention yet; "
                              f"use {able}")
         method.check_model(self.runner.model.config, params)
+        if params.kv_routing is not None and not method.uses_cache:
+            raise ValueError(no_cache_to_route(params.method))
         if params.kv_routing is not None and self.runner.batch_invariant:
             raise ValueError("kv_routing is not batch-invariant yet: its routed attention sums keys in the default "
                              "order; drop kv_routing or batch_invariant")
