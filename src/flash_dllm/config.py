@@ -136,8 +136,10 @@ class ModelConfig:
     # over each query and key head where qk_norm (LLaDA2, LLaDA-MoE).
     rotary_dim: int | None = None
     qk_norm: bool = False
-    # The fields that tensor parallelism splits across ranks (an architecture's own widths add theirs).
+    # The fields that tensor parallelism splits across ranks (an architecture's own widths add theirs), and of
+    # those, the experts' widths, which expert parallelism leaves whole (it places whole experts on the ranks).
     split_widths: ClassVar[tuple[str, ...]] = ("intermediate_size",)
+    expert_widths: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self):
         for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",

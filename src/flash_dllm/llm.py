@@ -119,13 +119,16 @@ class LLM:
         `torchrun` the other ranks' LLM(...) serve rank 0 and end their process. Outputs come back on rank 0 only;
         kv_cache_bytes is per rank. A rank that fails or ends fails the call that needs it, naming it. `shutdown()`
         stops the other ranks (else at exit, or with this process on SIGTERM).
+    expert_parallel: with tensor_parallel_size > 1 on a mixture-of-experts model, each rank holds a share of whole
+        experts instead of a share of every expert's features (models/moe.py); attention stays tensor-parallel.
     """
 
     def __init__(self, model: str | Path | None = None, device: str | None = None,
                  dtype: str | torch.dtype | None = None, max_batch_size: int = 32,
                  chat_template: bool | None = None, seed: int = 0, kv_cache_bytes: int | None = None,
                  kernels: bool | None = None, cuda_graphs: bool | None = None, batch_invariant: bool = False,
-                 quantization: str | None = None, kv_cache_dtype: str | None = None, tensor_parallel_size: int = 1):
+                 quantization: str | None = None, kv_cache_dtype: str | None = None, tensor_parallel_size: int = 1,
+                 expert_parallel: bool = False):
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         check_options(quantization, kv_cache_dtype, batch_invariant)  # before the model loads
@@ -133,11 +136,12 @@ class LLM:
         spec = str(model) if model is not None else str(default_model_path())
         self.path = None if spec.startswith(RANDOM_PREFIX) else resolve_checkpoint(spec)
         rank_spec = RankSpec(spec if self.path is None else str(self.path), self.device, self.dtype, seed, quantization,
-                             kv_cache_bytes, kernels, cuda_graphs, batch_invariant, kv_cache_dtype, max_batch_size)
+                             kv_cache_bytes, kernels, cuda_graphs, batch_invariant, kv_cache_dtype, max_batch_size,
+                             expert_parallel)
         self.workers, tp = None, None
-        if tensor_parallel_size != 1:
+        if tensor_parallel_size != 1 or expert_parallel:
             check_size(random_config(spec[len(RANDOM_PREFIX):]) if self.path is None else config_from_dir(self.path),
-                       tensor_parallel_size)  # before any process starts
+                       tensor_parallel_size, expert_parallel)  # before any process starts
             self.workers = Workers.start(rank_spec, tensor_parallel_size)  # torchrun's other ranks end in there
             tp, self.device = self.workers.tp, self.workers.device
         try:

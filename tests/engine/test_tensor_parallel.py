@@ -72,15 +72,17 @@ def methods_of(llm: LLM) -> list[str]:
             if METHODS[name].handles_logit_shift or not llm.model.logit_shift]
 
 
-@pytest.fixture(scope="class", params=["llada", "dream", "llada2", "llada-invariant", "dream-fp8", "dream-kernels"])
+@pytest.fixture(scope="class", params=["llada", "dream", "llada2", "llada2-experts", "llada-invariant", "dream-fp8",
+                                        "dream-kernels"])
 def pair(request, paths):
     """(one process, two ranks) on an architecture's checkpoint (-invariant: with batch_invariant; -fp8: with FP8
-    weights; -kernels: the Triton kernels, interpreted), for TestTwoRanks. One tensor-parallel LLM per process at a
-    time: each is shut down before the next, the last at the class's end."""
+    weights; -kernels: the Triton kernels, interpreted; -experts: expert parallelism), for TestTwoRanks. One
+    tensor-parallel LLM per process at a time: each is shut down before the next, the last at the class's end."""
     name, _, option = request.param.partition("-")
     options = dict(OPTIONS, batch_invariant=option == "invariant", quantization="fp8" if option == "fp8" else None,
                    kernels=option == "kernels")
-    one, two = LLM(str(paths[name]), **options), LLM(str(paths[name]), **options, tensor_parallel_size=2)
+    one = LLM(str(paths[name]), **options)
+    two = LLM(str(paths[name]), **options, tensor_parallel_size=2, expert_parallel=option == "experts")
     yield one, two
     two.shutdown()
 
@@ -186,6 +188,37 @@ def test_each_rank_loads_exactly_its_slices(paths, name, quantization):
             ranges = sorted((r.start, r.stop) for p in held for r in getattr(p, "parts", (p,)))
             assert ranges[0][0] == 0 and ranges[-1][1] == next(iter(held)).size
             assert all(stop == start for (_, stop), (start, _) in zip(ranges, ranges[1:])), tensor
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_expert_parallel_ranks_hold_whole_experts(paths, quantization):
+    """Each rank's stacks are its half of the experts, whole (and their FP8 scales); the router, the shared expert's
+    and the attention's shards are those of tensor parallelism; a random model's ranks are its slices too."""
+    whole = load_model(paths["llada2"], quantization=quantization)
+    plain = [load_model(paths["llada2"], quantization=quantization, tp=TensorParallel(rank, 2)) for rank in range(2)]
+    for rank in range(2):
+        tp = TensorParallel(rank, 2, expert_parallel=True)
+        for shard, source in ((load_model(paths["llada2"], quantization=quantization, tp=tp), whole),
+                              (random_model("llada2-tiny", "cpu", torch.float32, seed=4, tp=tp),
+                               random_model("llada2-tiny", "cpu", torch.float32, seed=4))):
+            for name, tensor in shard.state_dict().items():
+                full = source.state_dict()[name]
+                if ".w_" in name:  # the stacks and their scales
+                    assert torch.equal(tensor, full[4 * rank:4 * (rank + 1)]), name
+                elif source is whole:
+                    assert torch.equal(tensor, plain[rank].state_dict()[name]), name
+
+
+def test_expert_parallelism_is_refused_where_it_does_not_apply(paths):
+    with pytest.raises(ValueError, match="expert_parallel places a mixture of experts' experts on the ranks: this "
+                                         "model has none"):
+        LLM(str(paths["dream"]), **OPTIONS, tensor_parallel_size=2, expert_parallel=True)
+    with pytest.raises(ValueError, match="expert_parallel .* needs tensor_parallel_size > 1"):
+        LLM(str(paths["llada2"]), **OPTIONS, expert_parallel=True)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 does not split this model \(4 heads, 2 KV heads, "
+                                         r"intermediate_size=96, shared_intermediate_size=32, num_experts=8, "
+                                         r"vocabulary 320\); valid sizes: 1, 2, 4"):
+        check_size(load_model(paths["llada2"]).config, 3, expert_parallel=True)
 
 
 def test_random_shards_are_slices_of_the_random_model():

@@ -92,6 +92,41 @@ def test_sort_by_expert_layout(sort, N, E, k, block_m):
         assert (group[counts[e]:] == P).all()
 
 
+def held_half(ids: torch.Tensor, E: int) -> torch.Tensor:
+    """Expert parallelism's ids on the rank that holds experts [0, E / 2): the others' pairs get -1."""
+    return torch.where(ids < E // 2, ids, -1)
+
+
+@pytest.mark.parametrize("sort", [sort_by_expert_ref, sort_by_expert])
+def test_pairs_of_another_ranks_experts_are_in_no_block(sort):
+    N, E, k, block_m = 33, 16, 4, 16
+    ids = held_half(layer(N, E, k, 16, 16, torch.float32)[1], E)
+    pair_ids, expert_of_block = sort(ids, E // 2, block_m)
+    P, flat = N * k, ids.flatten().cpu()
+    real = pair_ids < P
+    assert torch.equal(pair_ids[real].sort().values.cpu(), (flat >= 0).nonzero().flatten().int())
+    counts = torch.bincount(flat[flat >= 0], minlength=E // 2)
+    want_experts = torch.repeat_interleave(torch.arange(E // 2), (counts + block_m - 1) // block_m)
+    used = want_experts.numel()
+    assert torch.equal(expert_of_block[:used].cpu(), want_experts.int()) and (expert_of_block[used:] == -1).all()
+    rows = pair_ids[:used * block_m].view(used, block_m).cpu()
+    for e in range(E // 2):
+        assert torch.equal(rows[want_experts == e].flatten()[:counts[e]], (flat == e).nonzero().flatten().int())
+
+
+def test_a_rank_computes_the_pairs_of_its_experts_only():
+    """The reference skips ids -1 (the same as the whole stack with those pairs weighted 0); the kernels with
+    `foreign` give the reference's result."""
+    x, ids, weights, w_gate_up, w_down = layer(*SHAPES[2], torch.float32)
+    E = w_gate_up.shape[0]
+    held = held_half(ids, E)
+    want = moe_experts_ref(x, held, weights, w_gate_up[:E // 2], w_down[:E // 2])
+    masked = moe_experts_ref(x, ids, torch.where(held >= 0, weights, 0.0), w_gate_up, w_down)
+    assert rel_err(want, masked) < BUDGET[torch.float32]
+    out = moe_experts(x, held, weights, w_gate_up[:E // 2], w_down[:E // 2], foreign=True)
+    assert rel_err(out, want) < BUDGET[torch.float32]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[4]], ids=lambda s: "n{}-e{}-k{}-d{}-i{}".format(*s))
 def test_moe_experts_fp8_matches_reference(shape, dtype):

@@ -29,6 +29,7 @@ class RankSpec:
     batch_invariant: bool
     kv_cache_dtype: str | None
     max_batch_size: int
+    expert_parallel: bool = False
 
     def device_of(self, rank: int) -> torch.device:
         if self.device.type != "cuda":

@@ -344,7 +344,8 @@ def share_cores(size: int):
 
 
 def _tensor_parallel(spec: RankSpec, rank: int, size: int) -> TensorParallel:
-    return TensorParallel(rank, size, dist.group.WORLD, ordered=spec.batch_invariant)
+    return TensorParallel(rank, size, dist.group.WORLD, ordered=spec.batch_invariant,
+                          expert_parallel=spec.expert_parallel)
 
 
 def _exchange(control, size: int, status) -> list:

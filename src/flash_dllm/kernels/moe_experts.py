@@ -8,7 +8,8 @@ is reading the weights of the experts its tokens touch, and one launch reads eac
 routed to it, with every SM busy. The gate|up launch computes matching gate and up column blocks and writes
 silu(gate) * up; the down launch scales each pair's row by its routing weight, and a token's k rows are summed in
 fp32. With FP8 experts (moe_experts_fp8) only the weights are E4M3 (the bytes that matter at decode), dequantised
-in the kernel; the activations stay in the model's dtype.
+in the kernel; the activations stay in the model's dtype. Under expert parallelism a rank holds some of the experts:
+the pairs of the others carry expert id -1 and are skipped (`foreign`).
 """
 from __future__ import annotations
 
@@ -30,9 +31,10 @@ except ImportError:  # the references work without triton; only the kernels need
 
 def moe_experts_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate_up: torch.Tensor,
                     w_down: torch.Tensor) -> torch.Tensor:
-    """x [N, d], topk_ids [N, k] (experts in [0, E)), topk_weights [N, k] fp32, w_gate_up [E, 2 I, d] (gate rows,
-    then up rows), w_down [E, d, I] -> [N, d] in x's dtype: sum_j topk_weights[n, j] * down_e(silu(gate_e(x[n])) *
-    up_e(x[n])), e = topk_ids[n, j]. Each expert in x's dtype; the weighted sum in fp32, rounded once."""
+    """x [N, d], topk_ids [N, k] (experts in [0, E), or -1: none here), topk_weights [N, k] fp32, w_gate_up
+    [E, 2 I, d] (gate rows, then up rows), w_down [E, d, I] -> [N, d] in x's dtype: sum_j topk_weights[n, j] *
+    down_e(silu(gate_e(x[n])) * up_e(x[n])), e = topk_ids[n, j] >= 0. Each expert in x's dtype; the weighted sum in
+    fp32, rounded once."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for expert in range(w_gate_up.shape[0]):
         token, choice = (topk_ids == expert).nonzero(as_tuple=True)
@@ -64,7 +66,7 @@ class ExpertBlocks(NamedTuple):
     """The token-expert pairs (pair id token * k + choice) sorted by expert into blocks of block_m rows (vLLM's
     moe_align_block_size layout), sized by their upper bounds for N k pairs and E experts:
     sorted_pair_ids [N k + E (block_m - 1)] int32: each expert's pairs in pair order, padded with N k (no pair) to a
-    whole number of blocks, expert after expert; N k past the last block used.
+    whole number of blocks, expert after expert; N k past the last block used. Pairs of expert -1 are in no block.
     expert_of_block [(N k + E (block_m - 1)) // block_m] int32: each block's expert, -1 past the last block used."""
     sorted_pair_ids: torch.Tensor
     expert_of_block: torch.Tensor
@@ -75,14 +77,17 @@ def sort_by_expert_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int) -
     expert's first padded slot + its rank among that expert's pairs. Static shapes and no host syncs."""
     flat = topk_ids.reshape(-1).long()
     num_pairs, device = flat.numel(), flat.device
-    counts = torch.zeros(num_experts, dtype=torch.long, device=device).scatter_add_(0, flat, torch.ones_like(flat))
+    held = flat >= 0
+    counts = torch.zeros(num_experts, dtype=torch.long, device=device).scatter_add_(0, flat.clamp(min=0), held.long())
     blocks = (counts + block_m - 1) // block_m
     block_end = blocks.cumsum(0)
     shift = (block_end - blocks) * block_m - (counts.cumsum(0) - counts)  # padded slot - unpadded position
-    experts, order = torch.sort(flat, stable=True)
+    experts, order = torch.sort(torch.where(held, flat, num_experts), stable=True)  # the pairs of none: last
     capacity = num_pairs + num_experts * (block_m - 1)  # at most block_m - 1 padding slots an expert
-    sorted_pair_ids = torch.full((capacity,), num_pairs, dtype=torch.int32, device=device)
-    sorted_pair_ids.scatter_(0, torch.arange(num_pairs, device=device) + shift[experts], order.int())
+    sorted_pair_ids = torch.full((capacity + 1,), num_pairs, dtype=torch.int32, device=device)  # + a bin
+    slots = torch.arange(num_pairs, device=device) + F.pad(shift, (0, 1))[experts]
+    sorted_pair_ids.scatter_(0, torch.where(experts < num_experts, slots, capacity), order.int())
+    sorted_pair_ids = sorted_pair_ids[:capacity]
     expert_of_block = torch.searchsorted(block_end, torch.arange(capacity // block_m, device=device), right=True)
     return ExpertBlocks(sorted_pair_ids, torch.where(expert_of_block < num_experts, expert_of_block, -1).int())
 
@@ -106,21 +111,21 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Ex
 
 
 def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate_up: torch.Tensor,
-                w_down: torch.Tensor, block_m: int | None = None) -> torch.Tensor:
+                w_down: torch.Tensor, block_m: int | None = None, foreign: bool = False) -> torch.Tensor:
     """The Triton kernels of moe_experts_ref (same arguments, same result within rounding): two grouped-GEMM
-    launches over sort_by_expert's blocks of block_m pairs (default: 16 to 64 by the mean pairs an expert). Graph
-    capturable."""
-    return _moe_experts(x, topk_ids, topk_weights, (w_gate_up, None), (w_down, None), block_m)
+    launches over sort_by_expert's blocks of block_m pairs (default: 16 to 64 by the mean pairs an expert). `foreign`:
+    some ids may be -1 (another rank's experts), whose pairs add nothing. Graph capturable."""
+    return _moe_experts(x, topk_ids, topk_weights, (w_gate_up, None), (w_down, None), block_m, foreign)
 
 
 def moe_experts_fp8(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_up: Fp8Rows,
-                    down: Fp8Rows, block_m: int | None = None) -> torch.Tensor:
+                    down: Fp8Rows, block_m: int | None = None, foreign: bool = False) -> torch.Tensor:
     """The Triton kernels of moe_experts_fp8_ref: moe_experts with E4M3 weights, each weight tile converted to x's
     dtype in the kernel and the fp32 sums scaled by their output channel's scale. Graph capturable."""
-    return _moe_experts(x, topk_ids, topk_weights, gate_up, down, block_m)
+    return _moe_experts(x, topk_ids, topk_weights, gate_up, down, block_m, foreign)
 
 
-def _moe_experts(x, topk_ids, topk_weights, gate_up, down, block_m):
+def _moe_experts(x, topk_ids, topk_weights, gate_up, down, block_m, foreign):
     if triton is None:
         raise RuntimeError("moe_experts needs triton; use moe_experts_ref")
     (w_gate_up, gate_up_scale), (w_down, down_scale) = gate_up, down
@@ -147,7 +152,8 @@ def _moe_experts(x, topk_ids, topk_weights, gate_up, down, block_m):
         w_gate_up.stride(0), w_gate_up.stride(1), gate_up_scale.stride(0), products.stride(0), TOPK=k, **tiling,
         **common)
 
-    per_pair = torch.empty(num_pairs, d, dtype=torch.float32, device=x.device)  # weighted down_e rows, by pair id
+    # weighted down_e rows, by pair id (a foreign pair's row is never written: zero)
+    per_pair = (torch.zeros if foreign else torch.empty)(num_pairs, d, dtype=torch.float32, device=x.device)
     tiling = _tiling(d, inter, block_m)
     _down_kernel[(expert_of_block.numel(), triton.cdiv(d, tiling["BLOCK_N"]))](
         products, w_down, down_scale, pair_ids, expert_of_block, topk_weights.reshape(-1).float(), per_pair,
@@ -189,7 +195,7 @@ if triton is not None:
         o_p = chunk * BLOCK_P + tl.arange(0, BLOCK_P)
         b_hot = _one_hot(ids_ptr, o_p, num_pairs, o_e)
         b_slot = tl.sum(b_hot * (tl.cumsum(b_hot, 0) + (b_first + b_before - 1)[None, :]), 1)
-        tl.store(pair_ptr + b_slot, o_p, mask=o_p < num_pairs)
+        tl.store(pair_ptr + b_slot, o_p, mask=(o_p < num_pairs) & (tl.sum(b_hot, 1) > 0))  # (expert -1: none)
         # the other slots (padding) and the blocks' experts, shared out among the programs
         for start in range(chunk * BLOCK_P, capacity, num_chunks * BLOCK_P):
             o_s = start + tl.arange(0, BLOCK_P)

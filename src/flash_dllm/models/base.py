@@ -52,6 +52,11 @@ class Pieces(NamedTuple):
         return torch.cat([part.of(tensor) for part in self.parts], dim=self.dim)
 
 
+# A Placement's shard for a checkpoint tensor that another rank holds whole (expert parallelism's other experts):
+# this rank checks its shape and reads none of it.
+ELSEWHERE = "elsewhere"
+
+
 class Placement(NamedTuple):
     """Where a checkpoint tensor goes: the parameter, the index of its part that the tensor fills (rows, or one
     expert's rows of a stack; None: all), and the part of the tensor this rank loads (None: all of it)."""

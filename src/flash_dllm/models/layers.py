@@ -308,8 +308,15 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, kernels: bool = False, invariant: bool = False) -> torch.Tensor:
         """`invariant`: the batch-invariant GEMMs (with the kernels on)."""
-        gated = (silu_mul if kernels else silu_mul_ref)(project(self.gate_up_proj, x, invariant))
-        return row_parallel(self.down_proj, gated, invariant, self.tp)
+        return row_parallel(self.down_proj, self._gated(x, kernels, invariant), invariant, self.tp)
+
+    def partial(self, x: torch.Tensor, kernels: bool = False, invariant: bool = False) -> torch.Tensor:
+        """forward's rank's product before the sum over the ranks, its bias on rank 0 only: a caller that sums other
+        partial products (models/moe.py: the experts') adds it to theirs, for one all-reduce."""
+        return project(self.down_proj, self._gated(x, kernels, invariant), invariant, bias=self.tp.rank == 0)
+
+    def _gated(self, x: torch.Tensor, kernels: bool, invariant: bool) -> torch.Tensor:
+        return (silu_mul if kernels else silu_mul_ref)(project(self.gate_up_proj, x, invariant))
 
     def forward_fp8(self, x: Fp8Rows) -> ScaledProduct:
         """The kernel path with FP8 weights: normed rows already quantised -> the down projection's ScaledProduct."""

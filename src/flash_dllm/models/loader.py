@@ -15,7 +15,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..config import PRESETS, ModelConfig, read_config_json
-from .base import DiffusionLM, Pieces, Placement, Shard
+from .base import ELSEWHERE, DiffusionLM, Pieces, Placement, Shard
 from .dream import DreamModel
 from .layers import RMSNorm
 from .llada import LLaDAModel
@@ -191,6 +191,9 @@ def load_weights(model: DiffusionLM, files: list[Path], device: str | torch.devi
                 if shape != expected:
                     raise ValueError(f"{file.name}: tensor {name!r} has shape {list(shape)}, "
                                      f"but config.json implies {list(expected)}")
+                if placement.shard == ELSEWHERE:
+                    loaded[name] = file
+                    continue
 
                 def read(shard: Shard | Pieces | None, f=f, name=name, file=file) -> torch.Tensor:
                     if shard is None:
@@ -222,7 +225,7 @@ def load_weights(model: DiffusionLM, files: list[Path], device: str | torch.devi
 def _checkpoint_shape(param: torch.Tensor, placement: Placement) -> tuple[int, ...]:
     """The whole checkpoint tensor's shape that the model's config implies."""
     shape = list(param.shape if placement.rows is None else param[placement.rows].shape)
-    if placement.shard is not None:
+    if placement.shard not in (None, ELSEWHERE):
         shape[placement.shard.dim] = placement.shard.size
     return tuple(shape)
 
@@ -305,7 +308,8 @@ def _draw_shards(model: DiffusionLM, whole: DiffusionLM, generator: torch.Genera
                 drawn.normal_(0.0, std, generator=generator)
             for name, rows in fills[f"{module_name}.{kind}" if module_name else kind]:
                 tensor = drawn if rows is None else drawn[rows]
-                _place(model, params, local[name], lambda shard: tensor if shard is None else shard.of(tensor))
+                if local[name].shard != ELSEWHERE:
+                    _place(model, params, local[name], lambda shard: tensor if shard is None else shard.of(tensor))
 
 
 def save_checkpoint(model: DiffusionLM, path: str | Path, hf_config: dict, num_shards: int = 1,

@@ -5,11 +5,16 @@ The experts' weights are stacked ([E, 2 I, d] gate|up, [E, d, I] down) so that t
 projection over all experts as one grouped GEMM (kernels/moe_experts.py); the PyTorch reference gathers each
 expert's tokens. The checkpoint keeps one tensor per expert and projection (`experts.{e}.gate_proj.weight`, ...),
 which `checkpoint_placements` maps into the stacks. Under tensor parallelism every expert's intermediate dimension
-is split over the ranks, like the gated MLP's, and the block's output summed over them. With FP8 weights
+is split over the ranks, like the gated MLP's, and the block's output summed over them; under expert parallelism
+(TensorParallel.expert_parallel) each rank holds a contiguous share of whole experts instead, routes every token
+(the router is replicated, as the rows are), runs only the pairs of the experts it holds, and the same one sum over
+the ranks combines them. The shared expert is split as the gated MLP, and its partial sum joins the experts' in that
+one all-reduce. With FP8 weights
 (`quantize_experts`) each expert's output channels are E4M3 with an fp32 scale each, quantised as they load.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +24,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..kernels.fp8 import FP8, Fp8Rows, quantize_rows_ref
 from ..kernels.moe_experts import moe_experts, moe_experts_fp8, moe_experts_fp8_ref, moe_experts_ref
+from ..kernels.moe_router import route_kernel
 from .layers import GatedMLP
 from .parallel import TensorParallel
 
@@ -45,6 +51,7 @@ class MoEConfig(ModelConfig):
     expert_bias: bool = False
 
     split_widths = ("intermediate_size", "expert_intermediate_size", "shared_intermediate_size")
+    expert_widths = ("expert_intermediate_size",)
 
     def __post_init__(self):
         super().__post_init__()
@@ -70,7 +77,8 @@ class MoEConfig(ModelConfig):
 
 
 def route(logits: torch.Tensor, cfg: MoEConfig, expert_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [N, E] (fp32) -> the chosen experts [N, k] and their weights [N, k] (fp32)."""
+    """Router logits [N, E] (fp32) -> the chosen experts [N, k] and their weights [N, k] (fp32). The kernel path
+    runs kernels/moe_router.py's one launch instead."""
     k = cfg.experts_per_token
     if cfg.router == "softmax":
         weights, chosen = logits.softmax(dim=-1).topk(k, dim=-1)
@@ -97,10 +105,12 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.cfg, self.tp = cfg, tp
         E, d, inter = cfg.num_experts, cfg.hidden_size, cfg.expert_intermediate_size
+        self.experts = tp.part(E) if tp.expert_parallel else slice(0, E)  # the experts this rank holds
+        held = self.experts.stop - self.experts.start
         self.router_weight = nn.Parameter(torch.empty(E, d))
         self.expert_bias = nn.Parameter(torch.empty(E)) if cfg.expert_bias else None
-        self.w_gate_up = nn.Parameter(torch.empty(E, 2 * inter, d))
-        self.w_down = nn.Parameter(torch.empty(E, d, inter))
+        self.w_gate_up = nn.Parameter(torch.empty(held, 2 * inter, d))
+        self.w_down = nn.Parameter(torch.empty(held, d, inter))
         self.shared = None
         if cfg.shared_intermediate_size:
             self.shared = GatedMLP(cfg, tp, cfg.shared_intermediate_size)
@@ -127,38 +137,48 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, kernels: bool = False, invariant: bool = False) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        chosen, weights = route(F.linear(rows.float(), self.router_weight.float()), self.cfg, self.expert_bias)
+        logits = F.linear(rows.float(), self.router_weight.float())
+        chosen, weights = (route_kernel if kernels else route)(logits, self.cfg, self.expert_bias)
+        foreign = self.tp.expert_parallel
+        if foreign:  # the pairs of other ranks' experts get id -1: no expert here
+            held = (chosen >= self.experts.start) & (chosen < self.experts.stop)
+            chosen = torch.where(held, chosen - self.experts.start, -1)
         if self.fp8_params:
             stacks = (Fp8Rows(self.w_gate_up, self.w_gate_up_scale), Fp8Rows(self.w_down, self.w_down_scale))
-            experts = moe_experts_fp8 if kernels else moe_experts_fp8_ref
+            experts = functools.partial(moe_experts_fp8, foreign=foreign) if kernels else moe_experts_fp8_ref
         else:
             stacks = (self.w_gate_up, self.w_down)
-            experts = moe_experts if kernels else moe_experts_ref
-        out = self.tp.all_reduce(experts(rows, chosen, weights, *stacks))
-        if self.shared is not None:
-            out = out + self.shared(rows, kernels, invariant)
-        return out.view_as(x)
+            experts = functools.partial(moe_experts, foreign=foreign) if kernels else moe_experts_ref
+        out = experts(rows, chosen, weights, *stacks)
+        if self.shared is not None:  # its rank's partial sum, added before the one all-reduce
+            out = out + self.shared.partial(rows, kernels, invariant)
+        return self.tp.all_reduce(out).view_as(x)
 
     def checkpoint_placements(self, kind: str) -> dict[str, tuple[tuple, object]]:
         """This block's checkpoint tensors of parameter `kind`, named below its checkpoint prefix (`gate.weight`,
         `experts.{e}.gate_proj.weight`, ...) -> (the index of the parameter it fills, the part of the tensor this
         rank loads: a models.base.Shard, or None)."""
-        from .base import Shard  # base builds the layers, this module among them
+        from .base import ELSEWHERE, Shard  # base builds the layers, this module among them
 
         if kind == "router_weight":
             return {"gate.weight": ((), None)}
         if kind == "expert_bias":
             return {"gate.expert_bias": ((), None)}
         inter = self.cfg.expert_intermediate_size
-        whole = inter * self.tp.size
-        part = self.tp.part(whole)
-        dim = 0 if kind == "w_gate_up" else 1
-        shard = None if self.tp.size == 1 else Shard(dim, part.start, part.stop, whole)
+        if self.tp.expert_parallel or self.tp.size == 1:
+            shard = None
+        else:
+            whole = inter * self.tp.size
+            part = self.tp.part(whole)
+            shard = Shard(0 if kind == "w_gate_up" else 1, part.start, part.stop, whole)
         placements = {}
         for e in range(self.cfg.num_experts):
+            # another rank's expert: this rank checks its shape (that of any expert's) and reads none of it
+            here, e_shard = (e - self.experts.start, shard) if self.experts.start <= e < self.experts.stop else \
+                (0, ELSEWHERE)
             if kind == "w_gate_up":
-                placements[f"experts.{e}.gate_proj.weight"] = ((e, slice(0, inter)), shard)
-                placements[f"experts.{e}.up_proj.weight"] = ((e, slice(inter, 2 * inter)), shard)
+                placements[f"experts.{e}.gate_proj.weight"] = ((here, slice(0, inter)), e_shard)
+                placements[f"experts.{e}.up_proj.weight"] = ((here, slice(inter, 2 * inter)), e_shard)
             else:
-                placements[f"experts.{e}.down_proj.weight"] = ((e,), shard)
+                placements[f"experts.{e}.down_proj.weight"] = ((here,), e_shard)
         return placements

@@ -59,6 +59,7 @@ class TensorParallel:
     size: int = 1
     group: object = None
     ordered: bool = False
+    expert_parallel: bool = False  # a mixture of experts' experts placed whole on the ranks, not each split
     timer: CollectiveTimer = field(default_factory=CollectiveTimer)
 
     def part(self, n: int) -> slice:
@@ -140,34 +141,49 @@ class _Timed:
 
 
 
-def valid_sizes(cfg: ModelConfig) -> list[int]:
+def valid_sizes(cfg: ModelConfig, expert_parallel: bool = False) -> list[int]:
     """The tensor-parallel sizes this model splits into: each rank the same number of query heads, of KV heads (or
-    one KV head shared by size / num_kv_heads ranks), of MLP features and of vocabulary rows."""
+    one KV head shared by size / num_kv_heads ranks), of MLP features and of vocabulary rows; with
+    expert_parallel, the same number of whole experts instead of a share of each expert's features."""
+    split = {f: getattr(cfg, f) for f in split_widths(cfg, expert_parallel)}
+    if expert_parallel:
+        split["num_experts"] = cfg.num_experts
     return [n for n in range(1, cfg.num_heads + 1)
-            if not (cfg.num_heads % n or cfg.vocab_size % n or any(getattr(cfg, f) % n for f in cfg.split_widths))
+            if not (cfg.num_heads % n or cfg.vocab_size % n or any(width % n for width in split.values()))
             and (cfg.num_kv_heads % n == 0 or n % cfg.num_kv_heads == 0)]
 
 
-def check_size(cfg: ModelConfig, size: int):
+def split_widths(cfg: ModelConfig, expert_parallel: bool) -> list[str]:
+    """The widths that the ranks split (expert parallelism keeps the experts' whole)."""
+    return [f for f in cfg.split_widths if not (expert_parallel and f in cfg.expert_widths)]
+
+
+def check_size(cfg: ModelConfig, size: int, expert_parallel: bool = False):
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(f"tensor_parallel_size must be an integer of at least 1, got {size!r}")
-    sizes = valid_sizes(cfg)
+    if expert_parallel and not cfg.expert_widths:
+        raise ValueError("expert_parallel places a mixture of experts' experts on the ranks: this model has none")
+    if expert_parallel and size == 1:
+        raise ValueError("expert_parallel places the experts on the tensor-parallel ranks: it needs "
+                         "tensor_parallel_size > 1")
+    sizes = valid_sizes(cfg, expert_parallel)
     if size not in sizes:
+        widths = [*split_widths(cfg, expert_parallel), *(["num_experts"] if expert_parallel else [])]
         raise ValueError(f"tensor_parallel_size={size} does not split this model ({cfg.num_heads} heads, "
-                         f"{cfg.num_kv_heads} KV heads, feed-forward widths "
-                         f"{', '.join(f'{f}={getattr(cfg, f)}' for f in cfg.split_widths)}, vocabulary "
-                         f"{cfg.vocab_size}); valid sizes: {', '.join(map(str, sizes))}")
+                         f"{cfg.num_kv_heads} KV heads, {', '.join(f'{f}={getattr(cfg, f)}' for f in widths)}, "
+                         f"vocabulary {cfg.vocab_size}); valid sizes: {', '.join(map(str, sizes))}")
 
 
 def shard_config(cfg: ModelConfig, tp: TensorParallel) -> ModelConfig:
     """The shapes of one rank's decoder layers and KV cache: its query heads, KV heads and MLP features (the hidden
-    size, head size and vocabulary stay the model's)."""
+    size, head size and vocabulary stay the model's; so do num_experts and, with expert parallelism, the experts'
+    width: the MoE block holds its rank's share of whole experts)."""
     if tp.size == 1:
         return cfg
-    check_size(cfg, tp.size)
+    check_size(cfg, tp.size, tp.expert_parallel)
     kv = tp.kv_heads(cfg.num_kv_heads)
     return dataclasses.replace(cfg, num_heads=cfg.num_heads // tp.size, num_kv_heads=kv.stop - kv.start,
-                               **{f: getattr(cfg, f) // tp.size for f in cfg.split_widths})
+                               **{f: getattr(cfg, f) // tp.size for f in split_widths(cfg, tp.expert_parallel)})
 
 
 class VocabParallelEmbedding(nn.Embedding):
