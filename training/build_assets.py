@@ -3,6 +3,9 @@
     python training/build_assets.py training/tokenizer   # writes the tokenizer files there
         --test-sets src/flash_dllm/tasks/data           # and the committed test sets there
 
+    python training/build_assets.py training/tokenizer --keep-tokenizer \
+        --test-sets src/flash_dllm/tasks/data --tasks pairs perm pick   # only these tasks' test sets
+
 Test items come from seeds disjoint from training's ("test-*" against "train-*"); training also skips
 any prompt that appears in a test set.
 """
@@ -15,7 +18,7 @@ from tokenizers import Tokenizer
 
 from llada_tokenizer import train_llada_tokenizer
 
-from flash_dllm.tasks import TASKS, generate
+from flash_dllm.tasks import CHOICE_TASKS, TASKS, generate
 
 VOCAB_SIZE = 1024
 CONTEXT = 8192
@@ -36,12 +39,12 @@ def corpus(num_items: int):
         yield item.solution
 
 
-def build_test_sets(out: Path, tokenizer):
+def build_test_sets(out: Path, tokenizer, tasks=TASKS):
     out.mkdir(parents=True, exist_ok=True)
     count = lambda text: len(tokenizer.encode(text).ids)
-    for task in TASKS:
+    for task in tasks:
         items, seen = [], set()
-        if task in FIRST_TASKS:
+        if task in FIRST_TASKS or task in CHOICE_TASKS:
             rng = random.Random(f"test-{task}")
             while len(items) < TEST_ITEMS:
                 if task == "passkey":
@@ -64,6 +67,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
     parser.add_argument("--test-sets", type=Path)
+    parser.add_argument("--tasks", nargs="+", choices=TASKS, default=TASKS,
+                        help="build only these tasks' test sets (the others' files stay as they are)")
     parser.add_argument("--keep-tokenizer", action="store_true",
                         help="load the tokenizer already in OUT instead of training a new one (a shipped "
                              "model's vocabulary must not change)")
@@ -73,7 +78,7 @@ def main():
     else:
         tokenizer = train_llada_tokenizer(corpus(30000), VOCAB_SIZE, args.out, model_max_length=CONTEXT)
     if args.test_sets:
-        build_test_sets(args.test_sets, tokenizer)
+        build_test_sets(args.test_sets, tokenizer, args.tasks)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from build_assets import ANSWER_TOKENS, CONTEXT  # noqa: E402
 
 from flash_dllm.config import PRESETS  # noqa: E402
 from flash_dllm.models import load_model, random_model, save_checkpoint  # noqa: E402
-from flash_dllm.tasks import TASKS, generate, load_test_set  # noqa: E402
+from flash_dllm.tasks import CHOICE_TASKS, TASKS, generate, load_test_set  # noqa: E402
 
 MODEL_CONFIG = {
     **PRESETS["llada-8b"], "d_model": 384, "n_heads": 6, "n_kv_heads": 6, "n_layers": 6,
@@ -55,15 +55,21 @@ def init_worker(tokenizer_path: str):
 
 
 def make_chunk(seed: int, short_items: int, retrieval_tokens: int, retrieval_lengths: tuple[int, int],
-               arith_share: float, multikey_share: float):
-    """One chunk of training data: token ids of `short_items` arith/trace items and of about
-    `retrieval_tokens` tokens of passkey or multikey items of one length. Runs in a worker process."""
+               arith_share: float, multikey_share: float, choice_share: float = 0.0):
+    """One chunk of training data: token ids of `short_items` arith/trace items (a `choice_share` of them pairs,
+    perm or pick instead) and of about `retrieval_tokens` tokens of passkey or multikey items of one length. Runs in
+    a worker process."""
     tokenizer, held_out = WORKER["tokenizer"], WORKER["held_out"]
     count = lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids)
     rng = random.Random(f"train-{seed}")
     length = rng.randint(*retrieval_lengths)
     retrieval = "multikey" if rng.random() < multikey_share else "passkey"
-    items = [generate("arith" if rng.random() < arith_share else "trace", rng) for _ in range(short_items)]
+
+    def short_task() -> str:
+        if choice_share and rng.random() < choice_share:  # no draw at 0: earlier runs' seeds keep their data
+            return rng.choice(CHOICE_TASKS)
+        return "arith" if rng.random() < arith_share else "trace"
+    items = [generate(short_task(), rng) for _ in range(short_items)]
     items += [generate(retrieval, rng, num_tokens=length, count_tokens=count)
               for _ in range(max(1, retrieval_tokens // (length + ANSWER_TOKENS + 32)))]
     chunk = {"short": [], "retrieval": []}
@@ -133,6 +139,9 @@ def main():
     parser.add_argument("--arith-share", type=float, default=0.5, help="fraction of arith among the short items")
     parser.add_argument("--multikey-share", type=float, default=0.5,
                         help="fraction of multikey among the retrieval micro-batches")
+    parser.add_argument("--choice-share", type=float, default=0.0,
+                        help="fraction of the choice tasks (pairs, perm, pick; each answer drawn uniformly among the "
+                             "valid ones) among the short items")
     parser.add_argument("--retrieval-lengths", type=int, nargs=2, default=(128, MAX_RETRIEVAL), metavar=("LOW", "HIGH"),
                         help="retrieval prompts' lengths in tokens, uniform in [LOW, HIGH] (a curriculum starts short)")
     parser.add_argument("--workers", type=int, default=12)
@@ -160,7 +169,7 @@ def main():
     if not 0 < args.retrieval_lengths[0] <= args.retrieval_lengths[1] <= MAX_RETRIEVAL:
         parser.error(f"--retrieval-lengths must satisfy 0 < LOW <= HIGH <= {MAX_RETRIEVAL}")
     chunk_args = (args.short_batch + 16, args.retrieval_tokens, tuple(args.retrieval_lengths), args.arith_share,
-                  args.multikey_share)
+                  args.multikey_share, args.choice_share)
     next_seed = args.seed * 10**6
     pending = collections.deque()
     while len(pending) < 2 * args.workers:

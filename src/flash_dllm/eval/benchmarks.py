@@ -194,8 +194,8 @@ class MBPP(CodeBenchmark):
 
 
 class Embedded(Benchmark):
-    """A task of the embedded model (arith, trace, passkey, multikey): its held-out test set and checker,
-    zero-shot."""
+    """A task of the embedded model (flash_dllm.tasks: arith, trace, passkey, multikey, and the choice tasks pairs,
+    perm, pick): its held-out test set and checker, zero-shot."""
 
     def __init__(self, name: str):
         self.name = name
@@ -211,7 +211,7 @@ class Embedded(Benchmark):
         return doc["answer"]
 
     def score(self, docs, outputs, chat):
-        return [Verdict(embedded.is_correct(embedded.Item(**doc), output), embedded.extract_answer(output))
+        return [Verdict(embedded.is_correct(embedded.Item(**doc), output), embedded.extract_answer(output, self.name))
                 for doc, output in zip(docs, outputs)]
 
 

@@ -1,7 +1,8 @@
 """The embedded model's task suite: seeded generators, committed held-out test sets and answer checkers.
 
 Every answer is a short worked solution ending in `#### <value>`; an output is correct when the value
-after its last `####` equals the item's answer.
+after its last `####` equals the item's answer, or, for a choice task (several right answers: a measuring
+stick for parallel decoding, which can mix them), when the task's checker accepts it.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import re
 from dataclasses import asdict, dataclass
 from importlib import resources
 
-from . import arith, multikey, passkey, trace
+from . import arith, multikey, pairs, passkey, perm, pick, trace
 
 
 @dataclass(frozen=True)
@@ -28,15 +29,19 @@ class Item:
 
 
 GENERATORS = {"arith": arith.make_item, "trace": trace.make_item, "passkey": passkey.make_item,
-              "multikey": multikey.make_item}
+              "multikey": multikey.make_item, "pairs": pairs.make_item, "perm": perm.make_item,
+              "pick": pick.make_item}
 TASKS = tuple(GENERATORS)
 RETRIEVAL_TASKS = ("passkey", "multikey")  # long prompts of a given length; the answer is a key, as a string
+# Several right answers (the item's answer is one of them, drawn uniformly); each task's checker accepts any.
+CHECKERS = {"pairs": pairs.is_valid, "perm": perm.is_valid, "pick": pick.is_valid}
+CHOICE_TASKS = tuple(CHECKERS)
 
 
 def answer_length(task: str) -> int:
-    """Generation length that holds any worked solution of the task: a retrieval answer is one short sentence
-    (about 20 tokens), arith and trace solutions run to about 100."""
-    return 32 if task in RETRIEVAL_TASKS else 128
+    """Generation length that holds any worked solution of the task: a retrieval or choice answer is one short
+    line (at most about 20 tokens), arith and trace solutions run to about 100."""
+    return 32 if task in RETRIEVAL_TASKS or task in CHOICE_TASKS else 128
 
 
 _ANSWER = re.compile(r"####\s*(-?[\d,]*\.?\d+)")
@@ -49,13 +54,19 @@ def generate(task: str, rng: random.Random, **kwargs) -> Item:
     return Item(task, prompt, solution, answer, kwargs.get("num_tokens", 0))
 
 
-def extract_answer(text: str) -> str | None:
-    """The value after the last `####`, without thousands separators; None if there is none."""
+def extract_answer(text: str, task: str | None = None) -> str | None:
+    """The value after the last `####`, without thousands separators (a choice task's: the words after it, one
+    space apart); None if there is none."""
+    if task in CHOICE_TASKS:
+        _, marker, answer = text.rpartition("####")
+        return " ".join(answer.split()) if marker and answer.strip() else None
     found = _ANSWER.findall(text)
     return found[-1].replace(",", "") if found else None
 
 
 def is_correct(item: Item, output: str) -> bool:
+    if item.task in CHOICE_TASKS:
+        return CHECKERS[item.task](item.prompt, output)
     value = extract_answer(output)
     if value is None:
         return False
