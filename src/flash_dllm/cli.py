@@ -332,8 +332,8 @@ def cmd_bench(args):
     import torch
 
     from .bench.forward import bench_forward, format_table
-    from .bench.kernels import (bench_fp8_gemms, bench_fp8_kernels, bench_kernels, format_gemm_table,
-                                format_table as format_kernel_table)
+    from .bench.kernels import (bench_fp8_gemms, bench_fp8_kernels, bench_kernels, bench_moe_kernels, format_gemm_table,
+                                format_moe_table, format_table as format_kernel_table)
     from .bench.generate import bench_generate, format_table as format_generate_table
     from .bench.step import bench_step, format_table as format_step_table
 
@@ -352,6 +352,8 @@ def cmd_bench(args):
     if args.bench == "kernels":
         if llm.device.type != "cuda" and not llm.runner.kernels:
             raise ValueError("bench kernels runs the Triton kernels: it needs a CUDA device (or TRITON_INTERPRET=1)")
+        if getattr(llm.config, "num_experts", 0):
+            print(format_moe_table(bench_moe_kernels(llm.model, args.gemm_rows, args.iters)))
         if args.quantization:
             results = [r for batch in args.batch_sizes
                        for r in bench_fp8_kernels(llm.model, batch * args.rows, args.iters)]
@@ -781,8 +783,8 @@ def build_parser() -> argparse.ArgumentParser:
                            f"{', '.join(DEMO_ON_REQUEST)}: one token per forward pass, minutes on a CPU)")
     demo.add_argument("--prompt-length", type=at_least(1), default=256,
                       help="retrieval tasks: the items of this length")
-    demo.add_argument("--max-tokens", type=int, help="generation length (default: the task's, passkey, multikey and the "
-                      "choice tasks 32, arith and trace 128)")
+    demo.add_argument("--max-tokens", type=int, help="generation length (default: the task's, passkey, multikey "
+                      "and the choice tasks 32, arith and trace 128)")
     demo.add_argument("--block-length", type=int, default=32, help=BLOCK_LENGTH_HELP)
     demo.add_argument("--batch-size", type=at_least(1), default=32, help="most requests decoded together")
     demo.set_defaults(func=cmd_demo)
@@ -868,7 +870,8 @@ def build_parser() -> argparse.ArgumentParser:
     kernels.add_argument("--warmup", type=at_least(0), default=10, help="untimed calls per kernel first")
     kernels.add_argument("--iters", type=at_least(1), default=50, help="timed calls per kernel (median)")
     kernels.add_argument("--gemm-rows", type=at_least(1), nargs="+", default=[32, 144, 1760, 4646],
-                         help="with --quantization: the FP8 GEMMs' row counts (one table row each)")
+                         help="with --quantization: the FP8 GEMMs' row counts; on a mixture-of-experts model also "
+                              "the router's and experts' (one table row each)")
     step = bench_sub.add_parser("step", help="one decoding iteration per method and batch size (forced schedule)")
     add_model_args(step, default_model="random:llada-8b")
     step.add_argument("--methods", nargs="+", choices=list(METHODS),

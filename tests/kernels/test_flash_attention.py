@@ -1,6 +1,7 @@
 """Scheduled flash attention against ragged_attention_ref: ragged batches, GQA, key mass, the verify pass, each
 with the keys of a request in one program and split across several (merged after the launch), and from an fp8
-cache (the reference dequantises it)."""
+cache (the reference dequantises it). GQA cases run packed (one program per KV head, the default) and, in
+test_gqa_packed_and_per_head_match_reference, also one program per query head."""
 from kernel_testing import BUDGET, DEVICE, rel_err  # first: it picks the interpreter on the CPU
 
 import pytest
@@ -8,8 +9,8 @@ import torch
 
 from flash_dllm.cache.attention_metadata import AttentionMetadata, cu_seqlens
 from flash_dllm.kernels.attention import ragged_attention_ref
-from flash_dllm.kernels.flash_attention import (ROUTED_BLOCK_N, TARGET_PROGRAMS, flash_attention, num_splits,
-                                                routed_keys)
+from flash_dllm.kernels.flash_attention import (ROUTED_BLOCK_N, TARGET_PROGRAMS, flash_attention, launch_config,
+                                                num_splits, routed_keys)
 from flash_dllm.kernels.fp8 import FP8, quantize_rows_ref
 
 # (query rows per request, KV length per request, heads, kv heads, head_dim)
@@ -238,3 +239,44 @@ def test_routed_tile_lists_visit_only_open_chunks(dtype, splits, kv):
     out = flash_attention(q, k_cache, v_cache, table, mass, splits=splits, routed=routed, **scales)
     ref = ragged_attention_ref(q, k_cache, v_cache, table, ref_mass, key_visible=visible, **scales)
     assert rel_err(out, ref) < BUDGET[dtype] and rel_err(mass, ref_mass) < BUDGET[dtype]
+
+
+# GQA's two launches (pack_gqa): 2 and 4 query heads per KV head, in few rows (a split launch's merge is a program
+# per row and head); in the verify pass, group 4's 17 rows are 68 (row, head) pairs: two packed tiles of 64. Both
+# dtypes, the fp8 cache and splits, in 3 of DTYPE_SPLITS' 5 (the interpreter is slow).
+GQA_CASES = {"group-2": ([5, 0, 9], [30, 12, 150], 4, 2, 16), "group-4": ([17, 3], [150, 70], 8, 2, 16)}
+GQA_DTYPE_SPLITS = [DTYPE_SPLITS[0], DTYPE_SPLITS[3], DTYPE_SPLITS[4]]
+
+
+@pytest.mark.parametrize("pack_gqa", [True, False], ids=["packed", "per-head"])
+@pytest.mark.parametrize("dtype, splits, kv", GQA_DTYPE_SPLITS, ids=[IDS[0], IDS[3], IDS[4]])
+@pytest.mark.parametrize("case", GQA_CASES)
+def test_gqa_packed_and_per_head_match_reference(case, dtype, splits, kv, pack_gqa):
+    """One program per KV head for the rows of all its query heads, or one per query head: the same attention,
+    key mass over the tracked rows, routed key tiles per KV head, and the verify pass's own keys under each row's
+    visibility."""
+    q, k_cache, v_cache, table = make_batch(*GQA_CASES[case], dtype)
+    visible = routed_masks(q, k_cache, table)
+    k_cache, v_cache, scales = stored(k_cache, v_cache, kv)
+    for routed, key_visible in [(None, None), (routed_keys(visible, table.kv_len), visible)]:
+        mass, mass_ref = (torch.rand(table.num_seqs, table.max_kv, device=DEVICE) for _ in range(2))
+        mass_ref.copy_(mass)
+        out = flash_attention(q, k_cache, v_cache, table, mass, routed=routed, splits=splits, pack_gqa=pack_gqa,
+                              **scales)
+        ref = ragged_attention_ref(q, k_cache, v_cache, table, mass_ref, key_visible=key_visible, **scales)
+        assert rel_err(out, ref) < BUDGET[dtype] and rel_err(mass, mass_ref) < mass_budget(dtype, kv)
+    q, k_cache, v_cache, table = make_batch(*GQA_CASES[case], dtype, verify=True)
+    k_new, v_new = new_keys_and_values(q, k_cache)
+    visible = routed_masks(q, k_cache, table)
+    k_cache, v_cache, scales = stored(k_cache, v_cache, kv)
+    own = dict(k_new=k_new, v_new=v_new, **scales)
+    out = flash_attention(q, k_cache, v_cache, table, routed=routed_keys(visible, table.kv_len), splits=splits,
+                          pack_gqa=pack_gqa, **own)
+    assert rel_err(out, ragged_attention_ref(q, k_cache, v_cache, table, key_visible=visible, **own)) < BUDGET[dtype]
+
+
+def test_packed_tiles_hold_the_rows_of_every_query_head_of_a_kv_head():
+    """A decoding block of 32 rows with 4 query heads per KV head (LLaDA2-mini): one tile of 128 (row, head)
+    pairs, not 4 of 32 rows."""
+    assert launch_config(32)["BLOCK_M"] == 32 and launch_config(32, pack=4)["BLOCK_M"] == 128
+    assert launch_config(8, pack=4)["BLOCK_M"] == 32 and launch_config(16, pack=4)["BLOCK_M"] == 64

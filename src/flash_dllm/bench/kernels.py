@@ -2,7 +2,8 @@
 kernel for the same math (cuBLAS's GEMM, torch SDPA), at a model's dimensions, with its error against the
 PyTorch reference. Inputs are random; the projection uses the model's first QKV weight. With FP8 weights: the
 kernels that quantise and dequantise around the FP8 GEMMs, and each GEMM against cuBLAS's in the model's dtype and
-against its weight-read floor.
+against its weight-read floor. On a mixture-of-experts model: the router and the experts' grouped GEMMs against
+their PyTorch references and against the read floor of the experts the rows touch.
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from ..config import ModelConfig
 from ..kernels.attention import ragged_attention_ref
 from ..kernels.flash_attention import flash_attention
 from ..kernels.fp8 import Fp8Rows, add_dequantized, add_dequantized_ref, quantize_rows, quantize_rows_ref
+from ..kernels.moe_experts import moe_experts, moe_experts_fp8, moe_experts_fp8_ref, moe_experts_ref
+from ..kernels.moe_router import route_kernel
 from ..kernels.fused_qkv_rope import fused_qkv_rope, fused_qkv_rope_ref, qkv_rope
 from ..kernels.rms_norm import rms_norm, rms_norm_fp8, rms_norm_fp8_ref, rms_norm_ref
 from ..kernels.silu_mul import silu_mul, silu_mul_fp8, silu_mul_fp8_ref, silu_mul_ref
@@ -98,6 +101,9 @@ def bench_kernels(model, batch: int, rows: int, kv_length: int, warmup: int = 10
     sdpa = lambda: F.scaled_dot_product_attention(dense(q, rows), k_dense, v_dense)
     add("attention", lambda: flash_attention(q, k_cache, v_cache, metadata),
         lambda: ragged_attention_ref(q, k_cache, v_cache, metadata), "SDPA dense", sdpa)
+    if group > 1:  # the same launch a program per query head (each K/V tile read `group` times), for comparison
+        add("attention, per query head", lambda: flash_attention(q, k_cache, v_cache, metadata, pack_gqa=False),
+            lambda: ragged_attention_ref(q, k_cache, v_cache, metadata), "SDPA dense", sdpa)
     masses = [torch.zeros(batch, kv_length, device=device) for _ in range(2)]
     with_mass = lambda fn, mass: lambda: fn(q, k_cache, v_cache, metadata, key_mass=mass.zero_())
 
@@ -208,4 +214,58 @@ def format_gemm_table(results: list[GemmResult]) -> str:
             totals[r.rows][i] += value
     rows += [("layer", n, f"{b:.4f}", f"{f:.4f}", f"{b / f:.2f}", f"{w:.4f}", f"{fl:.4f}", f"{f / fl:.2f}")
              for n, (b, f, w, fl) in totals.items()]
+    return markdown_table(header, rows)
+
+
+@dataclass(frozen=True)
+class MoEResult:
+    rows: int
+    experts_touched: int
+    router_ms: float            # kernels/moe_router.py's launch
+    router_reference_ms: float  # models.moe.route
+    experts_ms: float           # the grouped GEMMs (kernels/moe_experts.py)
+    experts_reference_ms: float  # an expert at a time
+    floor_ms: float             # the touched experts' weights read once at HBM_BYTES_PER_S
+    rel_err: float              # the experts' output against the reference's
+
+
+@torch.inference_mode()
+def bench_moe_kernels(model, row_counts: list[int], iters: int = 50, seed: int = 0) -> list[MoEResult]:
+    """The first MoE layer's router and experts at each row count (random normed rows: about uniform routing); the
+    kernels' GPU times from CUDA graphs (graph_time_ms), the references' wall times (they sync to find each expert's
+    rows)."""
+    from ..models.moe import SparseMoE, route
+
+    torch.manual_seed(seed)
+    moe = next(layer.mlp for layer in model.layers if isinstance(layer.mlp, SparseMoE))
+    device, dtype = moe.router_weight.device, model.embed.weight.dtype
+    if moe.fp8_params:
+        stacks = (Fp8Rows(moe.w_gate_up, moe.w_gate_up_scale), Fp8Rows(moe.w_down, moe.w_down_scale))
+        kernel, reference = moe_experts_fp8, moe_experts_fp8_ref
+        expert_bytes = sum(s.values[0].numel() * s.values.element_size() + s.scale[0].numel() * 4 for s in stacks)
+    else:
+        stacks, kernel, reference = (moe.w_gate_up, moe.w_down), moe_experts, moe_experts_ref
+        expert_bytes = sum(s[0].numel() * s.element_size() for s in stacks)
+    results = []
+    for rows in row_counts:
+        x = torch.randn(rows, model.config.hidden_size, device=device, dtype=dtype)
+        logits = F.linear(x.float(), moe.router_weight.float())
+        chosen, weights = route_kernel(logits, moe.cfg, moe.expert_bias)
+        touched = chosen.unique().numel()
+        run = lambda experts: experts(x, chosen, weights, *stacks)
+        results.append(MoEResult(
+            rows, touched, graph_time_ms(lambda: route_kernel(logits, moe.cfg, moe.expert_bias), device, iters=iters),
+            time_ms(lambda: route(logits, moe.cfg, moe.expert_bias), 2, iters, device),
+            graph_time_ms(lambda: run(kernel), device, iters=iters), time_ms(lambda: run(reference), 1, iters, device),
+            touched * expert_bytes / HBM_BYTES_PER_S * 1e3, rel_err(run(kernel), run(reference))))
+    return results
+
+
+def format_moe_table(results: list[MoEResult]) -> str:
+    header = ("rows", "experts touched", "router ms", "route() ms", "x faster", "experts ms", "an expert at a time ms",
+              "x faster", "touched experts' read floor ms", "x floor", "rel err")
+    rows = [(r.rows, r.experts_touched, f"{r.router_ms:.4f}", f"{r.router_reference_ms:.4f}",
+             f"{r.router_reference_ms / r.router_ms:.2f}", f"{r.experts_ms:.4f}", f"{r.experts_reference_ms:.4f}",
+             f"{r.experts_reference_ms / r.experts_ms:.2f}", f"{r.floor_ms:.4f}", f"{r.experts_ms / r.floor_ms:.2f}",
+             f"{r.rel_err:.1e}") for r in results]
     return markdown_table(header, rows)

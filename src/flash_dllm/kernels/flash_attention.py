@@ -6,6 +6,11 @@ pass's own new keys under self_visibility. With key_mass, a second sweep over th
 final softmax probability over the tile's tracked rows into one row per (query tile, head), so that no
 [rows, heads, keys] tensor is ever stored; those rows are then summed in a fixed order.
 
+With grouped-query attention (GROUP query heads per KV head) a launch packs the group (`pack_gqa`): program
+(request, query tile, KV head) takes the (row, head) pairs of the KV head's GROUP query heads, flattened as
+row * GROUP + g, as the rows of its tile, so that each K and V tile is read once per KV head, not GROUP times.
+Everything a row decides (its position, visibility, tracking) is then that of row = m // GROUP.
+
 Long prompts with few query rows (too few programs to fill the GPU) split each request's keys across programs:
 each split writes its partial max, sum and output, a second kernel merges them in a fixed order (and gives each
 row's log-sum-exp), and the key mass is then a sweep of its own over the splits.
@@ -64,26 +69,37 @@ class RoutedKeys(NamedTuple):
 
 
 def launch_config(max_q: int, verify: bool = False, num_seqs: int = 1, fp32: bool = False,
-                  ordered: bool = False, routed: bool = False, kv_fp8: bool = False) -> dict:
+                  ordered: bool = False, routed: bool = False, kv_fp8: bool = False, pack: int = 1) -> dict:
     """Tile sizes by query rows per request, pass kind and batch (tuned on the H200 at LLaDA-8B shapes in bf16,
     benchmarks/tune_kernels.py). ordered: one tiling for every pass (batch-invariant decoding: a row's keys are
     then summed in the same tiles whatever the batch). kv_fp8: an fp8 cache, whose tiles are converted in
-    registers: 128-key tiles, 4 warps, 2 stages (H200, 144 rows over 32k keys: 0.56 ms against 0.83-1.85 for the
-    other 7 of 8 tilings; not tuned for the verify and routed passes)."""
+    registers: 128-key tiles, 2 stages (H200, 144 rows over 32k keys: 0.56 ms against 0.83-1.85 for the other 7
+    of 8 tilings; not tuned for the verify and routed passes).
+
+    pack: query heads per program (GROUP with pack_gqa, else 1): a tile's BLOCK_M rows are then (row, head)
+    pairs, max_q * pack of them per request. Packing reads each K and V tile once per KV head instead of once per
+    query head: decoding's attention (a few query rows over many keys) is bound by that read, and its small
+    per-head tiles (16-32 rows) become tensor-core sized ones. Packed, up to 128 pairs share one tile (8 warps, as
+    the verify pass's 128-row tiles), so that a block of 32 rows with 4 query heads per KV head reads K and V
+    once (untuned: tiles of 128 pairs are a guess from the verify pass's)."""
+    rows = max_q * pack
     if kv_fp8 and not (verify or routed or fp32 or ordered):
-        return dict(launch_config(max_q, num_seqs=num_seqs), BLOCK_N=128, num_warps=4, num_stages=2)
+        return dict(launch_config(max_q, num_seqs=num_seqs, pack=pack), BLOCK_N=128, num_stages=2)
     if routed:
-        return {**launch_config(max_q, verify, num_seqs, fp32, ordered), "BLOCK_N": ROUTED_BLOCK_N}
+        return {**launch_config(max_q, verify, num_seqs, fp32, ordered, pack=pack), "BLOCK_N": ROUTED_BLOCK_N}
     if fp32:  # twice the bytes per tile: pipelined 128-key tiles of head dim 128 overflow the 227 KB of smem
-        return {**launch_config(max_q, verify, num_seqs, ordered=ordered), "BLOCK_N": 64, "num_stages": 1}
+        return {**launch_config(max_q, verify, num_seqs, ordered=ordered, pack=pack), "BLOCK_N": 64,
+                "num_stages": 1}
     if ordered:
         return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
-    if verify and max_q > 64:  # 8 warps for its own keys and visibility mask: 0.34 against 0.54 ms at B=32, q=112
+    if verify and rows > 64:  # 8 warps for its own keys and visibility mask: 0.34 against 0.54 ms at B=32, q=112
         if num_seqs >= 8:
             return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
         return dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=3)  # few requests: more, smaller row tiles
-    if max_q <= 32:
-        return dict(BLOCK_M=max(16, triton.next_power_of_2(max_q)), BLOCK_N=128, num_warps=4, num_stages=3)
+    if rows <= 32:
+        return dict(BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=128, num_warps=4, num_stages=3)
+    if pack > 1 and rows > 64:
+        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
     return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
 
 
@@ -103,8 +119,9 @@ MERGE_BLOCK_S = 16
 
 
 def num_splits(programs: int, max_kv: int, block_n: int, key_mass: bool = False) -> int:
-    """Key splits per (request, query tile, head): 1 when `programs` fill the GPU or the keys are few, else
-    enough to fill it and to keep each under MAX_SPLIT_KEYS keys, each at least MIN_SPLIT_TILES key tiles long."""
+    """Key splits per program (request, query tile, head or packed KV head): 1 when `programs` fill the GPU or
+    the keys are few, else enough to fill it and to keep each under MAX_SPLIT_KEYS keys, each at least
+    MIN_SPLIT_TILES key tiles long."""
     if programs >= TARGET_PROGRAMS or max_kv < (SPLIT_MIN_KEYS_WITH_MASS if key_mass else SPLIT_MIN_KEYS):
         return 1
     wanted = max(-(-TARGET_PROGRAMS // programs), -(-max_kv // MAX_SPLIT_KEYS))
@@ -115,7 +132,7 @@ def flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     key_mass: torch.Tensor | None = None, k_new: torch.Tensor | None = None,
                     v_new: torch.Tensor | None = None, routed: RoutedKeys | None = None,
                     splits: int | None = None, k_scale: torch.Tensor | None = None,
-                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                    v_scale: torch.Tensor | None = None, pack_gqa: bool | None = None) -> torch.Tensor:
     """q [N, H, D]; k_cache, v_cache [rows, Hkv, D] -> out [N, H, D] in q's dtype; a drop-in for
     ragged_attention_ref (same arguments, same result).
 
@@ -127,6 +144,8 @@ def flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     gets 0.
     splits: key splits per program (default: `num_splits`; always 1 in the batch-invariant mode).
     k_scale, v_scale [rows, Hkv] fp32: an fp8 cache's scales (k_new, v_new stay in q's dtype).
+    pack_gqa: one program per KV head whose tiles hold the rows of all its query heads (launch_config says why);
+    None: packed whenever a KV head serves several query heads.
     """
     if triton is None:
         raise RuntimeError("flash_attention needs triton; use ragged_attention_ref")
@@ -134,6 +153,7 @@ def flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         raise ValueError("key_mass is accumulated over cache keys only; the verify pass (k_new) tracks none")
     N, H, D = q.shape
     group = H // k_cache.shape[1]
+    pack = group if (group > 1 if pack_gqa is None else pack_gqa) else 1  # query heads per program
     has_new, hidden, track = k_new is not None, metadata.hidden_keys, key_mass is not None
     if N == 0:
         return torch.empty_like(q)
@@ -141,13 +161,14 @@ def flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     fp8 = scale_arguments(k_cache, v_cache, k_scale, v_scale)
     config = launch_config(metadata.max_q, verify=has_new, num_seqs=metadata.num_seqs,
                            fp32=q.dtype == torch.float32, ordered=metadata.ordered, routed=routed is not None,
-                           kv_fp8=fp8.on)
-    tiles = triton.cdiv(metadata.max_q, config["BLOCK_M"])
+                           kv_fp8=fp8.on, pack=pack)
+    tiles = triton.cdiv(metadata.max_q * pack, config["BLOCK_M"])
+    programs = tiles * (H // pack)  # per request and split: (query tile, head) or packed (query tile, KV head)
     if splits is None:  # the batch-invariant mode never splits: the split count depends on the batch
-        splits = 1 if metadata.ordered else num_splits(metadata.num_seqs * tiles * H, metadata.max_kv,
+        splits = 1 if metadata.ordered else num_splits(metadata.num_seqs * programs, metadata.max_kv,
                                                         config["BLOCK_N"], track and routed is None)
     kv_chunk = triton.cdiv(triton.cdiv(max(metadata.max_kv, 1), splits), config["BLOCK_N"]) * config["BLOCK_N"]
-    grid = (metadata.num_seqs, tiles, H * splits)
+    grid = (metadata.num_seqs, tiles, (H // pack) * splits)
     # A verify pass may end in padding rows that belong to no request (cuda_graphs.pad_verify_pass): no
     # program visits them, so they must start at 0 (and so must the rows of a split launch's partials).
     out = torch.zeros_like(q) if has_new else torch.empty_like(q)
@@ -174,7 +195,7 @@ def flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     track_rows = metadata.track_rows.contiguous().view(torch.uint8) if track else u8
     # Atomics would add the partial masses in a different order every run, and a near-tie in the tracked
     # set could then flip a token; partial rows summed after the launch give the same mass every time.
-    partial = (torch.zeros(metadata.num_seqs, tiles * H, metadata.max_kv, device=q.device) if track
+    partial = (torch.zeros(metadata.num_seqs, programs, metadata.max_kv, device=q.device) if track
                else unused(torch.float32, q.device))
     dot_fp32 = q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
     block_d = max(16, triton.next_power_of_2(D))
@@ -187,7 +208,7 @@ def flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         part_max.stride(0) if split else 0, H, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         hidden.stride(0), stride_hh, visibility.stride(0), visibility.stride(1), partial.stride(0),
         partial.stride(1), D ** -0.5, D, kv_chunk, H,
-        GROUP=group, HAS_HIDDEN=has_hidden, HAS_NEW=has_new, TRACK=track and not split,
+        GROUP=group, PACK=pack, HAS_HIDDEN=has_hidden, HAS_NEW=has_new, TRACK=track and not split,
         SPLIT=split, HAS_TILES=has_tiles, KV_FP8=fp8.on, BLOCK_D=block_d, DOT_FP32=dot_fp32, **config)
     if split:
         lse = torch.empty(N, H, device=q.device) if track else unused(torch.float32, q.device)
@@ -200,8 +221,8 @@ def flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                 q, k_cache, fp8.pointers[0], lse, partial, metadata.cu_seqlens_q, metadata.kv_start, metadata.kv_len,
                 hidden, track_rows, listed, listed_count, stride_tb, stride_th, q.stride(0), q.stride(1),
                 k_cache.stride(0), k_cache.stride(1), fp8.strides[0], lse.stride(0), hidden.stride(0), stride_hh,
-                partial.stride(0), partial.stride(1), D ** -0.5, D, kv_chunk, H, GROUP=group, HAS_HIDDEN=has_hidden,
-                HAS_TILES=has_tiles, KV_FP8=fp8.on,
+                partial.stride(0), partial.stride(1), D ** -0.5, D, kv_chunk, H, GROUP=group, PACK=pack,
+                HAS_HIDDEN=has_hidden, HAS_TILES=has_tiles, KV_FP8=fp8.on,
                 BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_D=block_d, DOT_FP32=dot_fp32,
                 num_warps=config["num_warps"], num_stages=config["num_stages"])
     if track and not metadata.ordered:
@@ -266,6 +287,16 @@ if triton is not None:
         return first, end, step, p_tiles
 
     @triton.jit
+    def _query_entries(cu_q_ptr, seq, tile, head_program, PACK: tl.constexpr, BLOCK_M: tl.constexpr):
+        """The request's first row and row count, and for each of the tile's BLOCK_M entries its query row and
+        query head: the (row, head) pairs of heads head_program * PACK.. (PACK of them), flattened as
+        row * PACK + g, from pair tile * BLOCK_M on (PACK 1: one head's rows)."""
+        q_begin = tl.load(cu_q_ptr + seq)
+        q_len = tl.load(cu_q_ptr + seq + 1) - q_begin
+        o_pair = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        return q_begin, q_len, o_pair // PACK, head_program * PACK + o_pair % PACK
+
+    @triton.jit
     def _tile_start(i, p_tiles, HAS_TILES: tl.constexpr, BLOCK_N: tl.constexpr):
         """The first key offset of loop entry i: a listed tile's, or i itself (a key offset)."""
         start = i
@@ -304,23 +335,23 @@ if triton is not None:
             stride_vh, stride_ksn, stride_vsn, stride_on, stride_oh, stride_os,
             stride_ms, stride_mn, stride_knn, stride_knh, stride_vnn, stride_vnh, stride_hb, stride_hh, stride_visb,
             stride_visq, stride_mb, stride_mr, scale, D, kv_chunk, H,
-            GROUP: tl.constexpr, HAS_HIDDEN: tl.constexpr, HAS_NEW: tl.constexpr, TRACK: tl.constexpr,
-            SPLIT: tl.constexpr, HAS_TILES: tl.constexpr, KV_FP8: tl.constexpr, BLOCK_M: tl.constexpr,
-            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr):
-        seq, tile = tl.program_id(0), tl.program_id(1)
-        head, split = tl.program_id(2) % H, tl.program_id(2) // H
-        q_begin = tl.load(cu_q_ptr + seq)
-        q_len = tl.load(cu_q_ptr + seq + 1) - q_begin
-        if tile * BLOCK_M >= q_len:
+            GROUP: tl.constexpr, PACK: tl.constexpr, HAS_HIDDEN: tl.constexpr, HAS_NEW: tl.constexpr,
+            TRACK: tl.constexpr, SPLIT: tl.constexpr, HAS_TILES: tl.constexpr, KV_FP8: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr):
+        """Program (request, query tile, head program, split): the head program's PACK query heads (one, or a
+        KV head's GROUP) over one KV head's keys."""
+        seq, tile, programs = tl.program_id(0), tl.program_id(1), H // PACK
+        head_program, split = tl.program_id(2) % programs, tl.program_id(2) // programs
+        q_begin, q_len, o_m, o_h = _query_entries(cu_q_ptr, seq, tile, head_program, PACK, BLOCK_M)  # row, head
+        if tile * BLOCK_M >= q_len * PACK:
             return
         kv_begin, kv_len = tl.load(kv_start_ptr + seq), tl.load(kv_len_ptr + seq)
-        kv_head = head // GROUP
+        kv_head = head_program * PACK // GROUP
         kv_first, kv_end, step, p_tiles = _key_range(seq, kv_head, H // GROUP, split, kv_len, kv_chunk, tiles_ptr,
                                                      count_ptr, stride_tb, stride_th, HAS_TILES, BLOCK_N)
-        o_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)                          # query rows of the request
         o_d = tl.arange(0, BLOCK_D)
         m_m, m_d = o_m < q_len, o_d < D
-        b_q = tl.load(q_ptr + (q_begin + o_m)[:, None] * stride_qn + head * stride_qh + o_d[None, :],
+        b_q = tl.load(q_ptr + ((q_begin + o_m) * stride_qn + o_h * stride_qh)[:, None] + o_d[None, :],
                       mask=m_m[:, None] & m_d[None, :], other=0.0)
         qk_scale = scale * 1.4426950408889634  # exp(x) = exp2(x * log2(e))
 
@@ -355,16 +386,15 @@ if triton is not None:
                 b_s = tl.where(b_vis != 0, b_s, float("-inf"))
                 b_m, b_l, b_acc = _softmax_step(b_s, b_v, b_l, b_m, b_l, b_acc, False, DOT_FP32)
 
+        p_out = o_ptr + ((q_begin + o_m) * stride_on + o_h * stride_oh)[:, None] + o_d[None, :]
         if SPLIT:  # this split's unnormalised output, max and sum, merged by _merge_splits_kernel
-            p_row = split * stride_ms + (q_begin + o_m) * stride_mn + head
-            tl.store(o_ptr + split * stride_os + (q_begin + o_m)[:, None] * stride_on + head * stride_oh
-                     + o_d[None, :], b_acc, mask=m_m[:, None] & m_d[None, :])
+            p_row = split * stride_ms + (q_begin + o_m) * stride_mn + o_h
+            tl.store(p_out + split * stride_os, b_acc, mask=m_m[:, None] & m_d[None, :])
             tl.store(m_ptr + p_row, b_m, mask=m_m)
             tl.store(l_ptr + p_row, b_l, mask=m_m)
         else:
             b_o = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]  # a row that saw no key has b_acc = 0
-            tl.store(o_ptr + (q_begin + o_m)[:, None] * stride_on + head * stride_oh + o_d[None, :],
-                     b_o.to(o_ptr.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])
+            tl.store(p_out, b_o.to(o_ptr.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])
 
         if TRACK:  # second sweep: each cache key's final probability, summed over this tile's tracked rows
             b_track = (tl.load(track_ptr + q_begin + o_m, mask=m_m, other=0) != 0) & (b_l > 0)
@@ -378,7 +408,7 @@ if triton is not None:
                                            m_d, HAS_HIDDEN, KV_FP8, BLOCK_N, DOT_FP32)
                 b_p = tl.where(b_track[:, None], tl.exp2(b_s - b_lse[:, None]), 0.0)
                 o_n = start + tl.arange(0, BLOCK_N)
-                p_mass = mass_ptr + seq * stride_mb + (tile * H + head) * stride_mr + o_n
+                p_mass = mass_ptr + seq * stride_mb + (tile * programs + head_program) * stride_mr + o_n
                 tl.store(p_mass, tl.sum(b_p, 0), mask=m_key)
 
     @triton.jit(do_not_specialize=["S", "stride_os", "stride_ms"])
@@ -412,36 +442,37 @@ if triton is not None:
             tiles_ptr, count_ptr, stride_tb, stride_th, stride_qn, stride_qh, stride_kn, stride_kh, stride_ksn,
             stride_lse, stride_hb, stride_hh, stride_mb, stride_mr,
             scale, D, kv_chunk, H,
-            GROUP: tl.constexpr, HAS_HIDDEN: tl.constexpr, HAS_TILES: tl.constexpr, KV_FP8: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr):
+            GROUP: tl.constexpr, PACK: tl.constexpr, HAS_HIDDEN: tl.constexpr, HAS_TILES: tl.constexpr,
+            KV_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+            DOT_FP32: tl.constexpr):
         """Each cache key's final probability (from the rows' log-sum-exp) summed over the tile's tracked rows,
-        into row (tile, head) of the request's partial masses, over this program's split of the keys."""
-        seq, tile = tl.program_id(0), tl.program_id(1)
-        head, split = tl.program_id(2) % H, tl.program_id(2) // H
-        q_begin = tl.load(cu_q_ptr + seq)
-        q_len = tl.load(cu_q_ptr + seq + 1) - q_begin
-        if tile * BLOCK_M >= q_len:
+        into row (tile, head program) of the request's partial masses, over this program's split of the keys;
+        the programs are _flash_attention_kernel's."""
+        seq, tile, programs = tl.program_id(0), tl.program_id(1), H // PACK
+        head_program, split = tl.program_id(2) % programs, tl.program_id(2) // programs
+        q_begin, q_len, o_m, o_h = _query_entries(cu_q_ptr, seq, tile, head_program, PACK, BLOCK_M)  # row, head
+        if tile * BLOCK_M >= q_len * PACK:
             return
         kv_begin, kv_len = tl.load(kv_start_ptr + seq), tl.load(kv_len_ptr + seq)
-        kv_first, kv_end, step, p_tiles = _key_range(seq, head // GROUP, H // GROUP, split, kv_len, kv_chunk,
+        kv_head = head_program * PACK // GROUP
+        kv_first, kv_end, step, p_tiles = _key_range(seq, kv_head, H // GROUP, split, kv_len, kv_chunk,
                                                      tiles_ptr, count_ptr, stride_tb, stride_th, HAS_TILES, BLOCK_N)
-        o_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         o_d = tl.arange(0, BLOCK_D)
         m_m, m_d = o_m < q_len, o_d < D
-        b_lse = tl.load(lse_ptr + (q_begin + o_m) * stride_lse + head, mask=m_m, other=float("-inf"))
+        b_lse = tl.load(lse_ptr + (q_begin + o_m) * stride_lse + o_h, mask=m_m, other=float("-inf"))
         b_track = (tl.load(track_ptr + q_begin + o_m, mask=m_m, other=0) != 0) & (b_lse > float("-inf"))
         # A tile without tracked rows (decoded positions only) skips the sweep; its partial row stays 0.
         kv_end = tl.where(tl.sum(b_track.to(tl.int32), 0) > 0, kv_end, kv_first)
-        b_q = tl.load(q_ptr + (q_begin + o_m)[:, None] * stride_qn + head * stride_qh + o_d[None, :],
+        b_q = tl.load(q_ptr + ((q_begin + o_m) * stride_qn + o_h * stride_qh)[:, None] + o_d[None, :],
                       mask=m_m[:, None] & m_d[None, :], other=0.0)
         b_lse = tl.where(b_track, b_lse, 0.0)
         qk_scale = scale * 1.4426950408889634
         for i in range(kv_first, kv_end, step):
             start = _tile_start(i, p_tiles, HAS_TILES, BLOCK_N)
-            b_s, m_key = _cache_scores(b_q, k_ptr, ks_ptr, hidden_ptr, seq, kv_begin, kv_len, start, head // GROUP,
+            b_s, m_key = _cache_scores(b_q, k_ptr, ks_ptr, hidden_ptr, seq, kv_begin, kv_len, start, kv_head,
                                        stride_kn, stride_kh, stride_ksn, stride_hb, stride_hh, qk_scale, o_d, m_d,
                                        HAS_HIDDEN, KV_FP8, BLOCK_N, DOT_FP32)
             b_p = tl.where(b_track[:, None], tl.exp2(b_s - b_lse[:, None]), 0.0)
             o_n = start + tl.arange(0, BLOCK_N)
-            p_mass = mass_ptr + seq * stride_mb + (tile * H + head) * stride_mr + o_n
+            p_mass = mass_ptr + seq * stride_mb + (tile * programs + head_program) * stride_mr + o_n
             tl.store(p_mass, tl.sum(b_p, 0), mask=m_key)
