@@ -5,8 +5,10 @@
 #   (benchmarks/block_diffusion_eval.py: parallel, edit and flash-cache at three settings);
 #   `bench generate` on random LLaDA2-mini weights (bf16, then FP8 weights) at batch 1 and 32, `parallel` (LLaDA2.0's
 #   sampler) and `edit` (Draft-and-Edit); the weight-read floors of the experts each step touches
-#   (benchmarks/moe_floor.py). PART=check (tests, benches), train (training, evaluation) or all (default);
-#   MINUTES: the training's budget (default 4); FP8=0 skips the FP8 row.
+#   (benchmarks/moe_floor.py); `bench kernels` on LLaDA2-mini: the router and experts against their references and
+#   the touched experts' read floor at 32-4,096 rows, and the GQA-packed attention beside a program per query head.
+#   PART=check (tests, benches), train (training, evaluation) or all (default); MINUTES: the training's budget
+#   (default 4); FP8=0 skips the FP8 rows.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src
@@ -19,8 +21,12 @@ gen() {  # gen NAME SECONDS MODEL [OPTIONS...]
 }
 case "${PART:-all}" in
 check|all)
-  step gpu_tests 60 python -m pytest -q -p no:cacheprovider tests/kernels/test_moe_experts.py \
-      tests/decoding/test_block_diffusion.py
+  step gpu_tests 90 python -m pytest -q -p no:cacheprovider tests/kernels/test_moe_experts.py \
+      tests/kernels/test_moe_router.py tests/kernels/test_flash_attention.py tests/decoding/test_block_diffusion.py
+  TAIL=30 step kernels 90 python -m flash_dllm.cli bench kernels --model random:llada2-mini --batch-sizes 1 32 \
+      --rows 32 --kv-length 1024 --gemm-rows 32 144 1024 4096
+  [ "${FP8:-1}" = 1 ] && TAIL=8 step kernels_fp8 90 bash -c "python -m flash_dllm.cli bench kernels \
+      --model random:llada2-mini --quantization fp8 --batch-sizes 1 --rows 32 --gemm-rows 32 144 1024 4096 | head -8"
   gen llada2_bf16 80 random:llada2-mini --methods parallel edit
   [ "${FP8:-1}" = 1 ] && gen llada2_fp8 70 random:llada2-mini --methods parallel edit --quantization fp8
   TAIL=20 step floors 15 bash -c "python benchmarks/moe_floor.py --gpu $GPU; \

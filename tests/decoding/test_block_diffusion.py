@@ -173,6 +173,31 @@ def test_flash_cache_computes_its_budget_of_the_block(llm):
     assert all(0 < before - after <= 2 for before, after in zip(masks, masks[1:]) if after < before)
 
 
+@pytest.mark.parametrize("method, settings", [("parallel", dict(threshold=0.9)),
+                                              ("edit", dict(threshold=0.7, edit_threshold=0.5)),
+                                              ("flash-cache", dict(threshold=0.9, mask_window=8, tracking_budget=8))])
+def test_the_steady_pass_is_the_steps_inside_a_block(llm, method, settings):
+    """The pass a server captures before ready (DecodingMethod.steady_pass) is that of every step with no block
+    to write: one group of the current block's rows per request, tracked as the method tracks."""
+    params = SamplingParams(method=method, max_tokens=64, **settings)
+    decoder = llm.engine.method(params)
+    rows, tracked = decoder.steady_pass(params, llm.runner.logit_shift)
+    assert tracked == decoder.tracks_attention
+    plans, real_plan = [], decoder.plan
+
+    def plan(runner, batch):
+        plans.append(real_plan(runner, batch))
+        return plans[-1]
+    decoder.plan = plan
+    try:
+        llm.generate(PROMPTS[:2], params)
+    finally:
+        del decoder.plan
+    inside = [p for p in plans if all(kind == "current" for _, kind, _ in p.extra) and
+              len(p.counts) == len({b for b, _, _ in p.extra})]
+    assert len(inside) > len(plans) // 2 and all(p.counts == (rows,) * len(p.counts) for p in inside[1:])
+
+
 def test_a_step_computes_one_block(llm):
     """After the first pass (the prompt's whole blocks and the first block), a step computes the current block's
     rows, and once per block that ended, that block's rows again; never the prefix."""
@@ -220,26 +245,32 @@ def long_prompts(count: int = 2, length: int = 300) -> list[list[int]]:
     return [torch.randint(5, 300, (length + 7 * i,), generator=g).tolist() for i in range(count)]
 
 
-@pytest.mark.parametrize("method, settings", [("parallel", dict(threshold=0.5)),
-                                              ("flash-verify", dict(threshold=0.9, mask_window=8, tracking_budget=8,
-                                                                    verify_threshold=0.3))])
-def test_kv_routing_reads_part_of_the_prompt_in_the_blocks_after_it(llm, method, settings):
+def test_kv_routing_reads_part_of_the_prompt_in_the_blocks_after_it(llm):
     """A budget of 1 is the dense block cache; under 1 the passes without prompt rows (the blocks after the one that
-    holds the prompt's end) read the routed chunks, through the kernels (interpreted on the CPU) as through the
-    reference; the first block, which recomputes the prompt's last rows, reads every key."""
-    params = lambda **routing: SamplingParams(method=method, max_tokens=40, **settings, **routing)
+    holds the prompt's end) read the routed chunks; the first block, which recomputes the prompt's last rows, reads
+    every key."""
+    params = lambda **routing: SamplingParams(method="parallel", threshold=0.5, max_tokens=40, **routing)
     dense = llm.generate(long_prompts(), params())
     assert [o.token_ids for o in llm.generate(long_prompts(), params(kv_routing="chunk", kv_budget=1.0))] == \
         [o.token_ids for o in dense]
-    kernels = LLM(str(llm.path), device=DEVICE, dtype="float32", kernels=True)
-    kernels.model.lm_head.weight[kernels.special.stop_ids[0]] *= 2.0
-    routed = {engine: engine.generate(long_prompts(), params(kv_routing="chunk", kv_budget=0.2))
-              for engine in (llm, kernels)}
-    assert [o.token_ids for o in routed[kernels]] == [o.token_ids for o in routed[llm]]
-    assert [o.prompt_kv_read for o in routed[kernels]] == pytest.approx([o.prompt_kv_read for o in routed[llm]])
-    assert all(0.2 < o.prompt_kv_read < 1 for o in routed[llm])  # the first block's passes read it all
+    routed = llm.generate(long_prompts(), params(kv_routing="chunk", kv_budget=0.2))
+    assert all(0.2 < o.prompt_kv_read < 1 for o in routed)
     kmeans = llm.generate(["hi"], params(kv_routing="kmeans"))[0]
     assert kmeans.error.startswith("prompt 0: kv_routing 'kmeans' lays a prompt's keys out region by region")
+
+
+def test_routed_block_diffusion_through_the_kernels(llm):
+    """Prompts of whole blocks: each step's current block reads the routed prompt, the first step's in the pass that
+    writes the prompt's blocks; the kernels (interpreted on the CPU) read the keys the reference reads and decode
+    its tokens. (Flash-Verify's routed verify pass: tests/cache/test_routing.py.)"""
+    prompts = [prompt[:length] for prompt, length in zip(long_prompts(), (128, 160))]
+    params = SamplingParams(method="parallel", threshold=0.5, max_tokens=8, kv_routing="chunk", kv_budget=0.6)
+    kernels = LLM(str(llm.path), device=DEVICE, dtype="float32", kernels=True)
+    kernels.model.lm_head.weight[kernels.special.stop_ids[0]] *= 2.0
+    routed = {engine: engine.generate(prompts, params) for engine in (llm, kernels)}
+    assert [o.token_ids for o in routed[kernels]] == [o.token_ids for o in routed[llm]]
+    assert [o.prompt_kv_read for o in routed[kernels]] == pytest.approx([o.prompt_kv_read for o in routed[llm]])
+    assert all(o.prompt_kv_read < 0.9 for o in routed[llm])
 
 
 def test_requests_decode_the_same_alone_and_joining_a_running_batch(llm):

@@ -54,12 +54,21 @@ def test_loading_quantises_each_output_channel(any_checkpoint):
             assert torch.equal(param, params[name]), name
 
 
-def test_random_weights_are_the_unquantised_draw_quantised():
-    full = random_model("llada-tiny", "cpu", torch.bfloat16, seed=3)
-    quantised = random_model("llada-tiny", "cpu", torch.bfloat16, seed=3, quantization="fp8")
+@pytest.mark.parametrize("preset", ["llada-tiny", "llada2-tiny"])
+def test_random_weights_are_the_unquantised_draw_quantised(preset):
+    """Stacked experts too, which are drawn (and quantised) an expert at a time."""
+    full = random_model(preset, "cpu", torch.bfloat16, seed=3)
+    quantised = random_model(preset, "cpu", torch.bfloat16, seed=3, quantization="fp8")
     params = dict(full.named_parameters())
     for name, module in fp8_linears(quantised).items():
         assert torch.equal(module.weight_scale, quantize_rows_ref(params[f"{name}.weight"]).scale)
+    stacks = [(name, module) for name, module in quantised.named_modules() if getattr(module, "fp8_params", ())]
+    assert len(stacks) == (2 if preset == "llada2-tiny" else 0)
+    for name, module in stacks:
+        for stack in module.fp8_params:
+            values, scale = quantize_rows_ref(params[f"{name}.{stack}"])
+            assert torch.equal(getattr(module, f"{stack}_scale"), scale)
+            assert torch.equal(getattr(module, stack).view(torch.uint8), values.view(torch.uint8))
     weight_bytes = lambda model: sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     assert weight_bytes(quantised) < weight_bytes(full)
 

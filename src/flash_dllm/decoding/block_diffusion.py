@@ -66,6 +66,10 @@ class BlockDiffusion(DecodingMethod):
     def tail_tokens(self, params: SamplingParams) -> int:
         return params.block_length  # at most a block's positions past the generation: the same for every row
 
+    def steady_pass(self, params: SamplingParams, logit_shift: int) -> tuple[int, bool]:
+        """The steps inside a block: the current block's rows alone (a serve captures their graphs before ready)."""
+        return params.block_length, self.tracks_attention
+
     def plan(self, runner: ModelRunner, batch: DecodeBatch) -> StepPlan:
         """Per row: its prompt's whole blocks at its first step, the block that ended at its last step, and its
         current block; each a group of block_length rows."""
@@ -266,6 +270,10 @@ class BlockFlashCache(LLaDA2Threshold):
     def current_rows(self, batch: DecodeBatch, row) -> int:
         settings, size = batch.params.settings, batch.params.block_length
         return size if row.step_in_block == 0 else min(settings.mask_window + settings.tracking_budget, size)
+
+    def steady_pass(self, params: SamplingParams, logit_shift: int) -> tuple[int, bool]:
+        settings = params.settings
+        return min(settings.mask_window + settings.tracking_budget, params.block_length), True
 
     def block_queries(self, runner: ModelRunner, batch: DecodeBatch, block_columns: torch.Tensor,
                       plan: StepPlan) -> torch.Tensor:

@@ -265,19 +265,28 @@ def random_model(spec: str, device: str | torch.device, dtype: torch.dtype, seed
                  std: float = 0.02, quantization: str | None = None, tp: TensorParallel | None = None) -> DiffusionLM:
     """A model with random weights of `random_config(spec)`, drawn directly on `device` (FP8 weights are drawn in
     `dtype` and quantised: the same model as without quantization, quantised). Under tensor parallelism `tp`, this
-    rank's shard of the same model: each parameter is drawn whole, one at a time, and this rank's part kept."""
+    rank's shard of the same model: each parameter is drawn whole, one at a time, and this rank's part kept. Stacked
+    experts are drawn an expert at a time (LLaDA2-flash's FP8 model is built on one GPU without a stack in `dtype`:
+    4.3 GB a stack in bf16, more in the quantiser's fp32)."""
     cfg = random_config(spec)
     model = build_model(cfg, device, dtype, name=f"random:{spec}", quantization=quantization, tp=tp)
     generator = torch.Generator(device=device).manual_seed(seed)
     if model.tp.size > 1:
         _draw_shards(model, build_model(cfg, "meta", dtype), generator, std, device)
         return model
+    draw = lambda shape: torch.empty(shape, dtype=dtype, device=device).normal_(0.0, std, generator=generator)
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
             if name == "bias":
                 param.zero_()
             elif isinstance(module, RMSNorm):
                 param.fill_(1.0)
+            elif name in getattr(module, "stacks", ()):
+                for expert in range(param.shape[0]):
+                    if name in module.fp8_params:
+                        module.set_fp8(name, draw(param.shape[1:]), (expert,))
+                    else:
+                        param[expert] = draw(param.shape[1:])
             elif isinstance(module, Fp8Linear) or name in getattr(module, "fp8_params", ()):
                 drawn = torch.empty(param.shape, dtype=dtype, device=device).normal_(0.0, std, generator=generator)
                 if isinstance(module, Fp8Linear):
@@ -297,8 +306,21 @@ def _draw_shards(model: DiffusionLM, whole: DiffusionLM, generator: torch.Genera
     fills: dict[str, list[tuple[str, slice | None]]] = {}  # whole parameter -> its checkpoint tensors
     for name, placement in whole.checkpoint_layout().items():
         fills.setdefault(placement.param, []).append((name, placement.rows))
+    def place(drawn: torch.Tensor, fills_of_drawn):
+        for name, rows in fills_of_drawn:
+            tensor = drawn if rows is None else drawn[rows]
+            if local[name].shard != ELSEWHERE:
+                _place(model, params, local[name], lambda shard: tensor if shard is None else shard.of(tensor))
+
     for module_name, module in whole.named_modules():
         for kind, param in module.named_parameters(recurse=False):
+            param_fills = fills[f"{module_name}.{kind}" if module_name else kind]
+            if kind in getattr(module, "stacks", ()):  # an expert at a time, as random_model draws them
+                for expert in range(param.shape[0]):
+                    drawn = torch.empty(param.shape[1:], dtype=param.dtype, device=device)
+                    place(drawn.normal_(0.0, std, generator=generator),
+                          [(name, rows[1:]) for name, rows in param_fills if rows[0] == expert])
+                continue
             drawn = torch.empty(param.shape, dtype=param.dtype, device=device)
             if kind == "bias":
                 drawn.zero_()
@@ -306,10 +328,7 @@ def _draw_shards(model: DiffusionLM, whole: DiffusionLM, generator: torch.Genera
                 drawn.fill_(1.0)
             else:
                 drawn.normal_(0.0, std, generator=generator)
-            for name, rows in fills[f"{module_name}.{kind}" if module_name else kind]:
-                tensor = drawn if rows is None else drawn[rows]
-                if local[name].shard != ELSEWHERE:
-                    _place(model, params, local[name], lambda shard: tensor if shard is None else shard.of(tensor))
+            place(drawn, param_fills)
 
 
 def save_checkpoint(model: DiffusionLM, path: str | Path, hf_config: dict, num_shards: int = 1,

@@ -101,6 +101,8 @@ class SparseMoE(nn.Module):
     """The routed experts (stacked) plus the shared expert; forward(x [..., d], kernels, invariant) -> [..., d].
     `cfg` is the rank's shard (parallel.shard_config: its part of every expert's intermediate dimension)."""
 
+    stacks = ("w_gate_up", "w_down")  # [experts, ...] parameters: one checkpoint tensor (or two) an expert
+
     def __init__(self, cfg: MoEConfig, tp: TensorParallel):
         super().__init__()
         self.cfg, self.tp = cfg, tp
@@ -118,12 +120,12 @@ class SparseMoE(nn.Module):
 
     def quantize_experts(self):
         """Hold the experts' stacks in E4M3 with a scale per expert and output channel (filled by `set_fp8`)."""
-        for name in ("w_gate_up", "w_down"):
+        for name in self.stacks:
             stack = getattr(self, name)
             setattr(self, name, nn.Parameter(torch.empty(stack.shape, dtype=FP8, device=stack.device),
                                              requires_grad=False))
             self.register_buffer(f"{name}_scale", torch.ones(stack.shape[:2], device=stack.device))
-        self.fp8_params = ("w_gate_up", "w_down")
+        self.fp8_params = self.stacks
 
     @torch.no_grad()
     def set_fp8(self, name: str, weight: torch.Tensor, index: tuple | None, columns: slice | None = None):
