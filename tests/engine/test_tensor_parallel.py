@@ -209,7 +209,10 @@ def test_expert_parallel_ranks_hold_whole_experts(paths, quantization):
                     assert torch.equal(tensor, plain[rank].state_dict()[name]), name
 
 
-def test_expert_parallelism_is_refused_where_it_does_not_apply(paths):
+def test_expert_parallelism_is_refused_where_it_does_not_apply(paths, capsys):
+    assert main(["info", "--model", str(paths["dream"]), "--tensor-parallel-size", "2", "--expert-parallel"]) == 2
+    assert capsys.readouterr().err.strip() == ("flash-dllm: error: expert_parallel places a mixture of experts' "
+                                               "experts on the ranks: this model has none")
     with pytest.raises(ValueError, match="expert_parallel places a mixture of experts' experts on the ranks: this "
                                          "model has none"):
         LLM(str(paths["dream"]), **OPTIONS, tensor_parallel_size=2, expert_parallel=True)
