@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train import BOS, EOS, EOT, MASK, chat_prompt, init_worker, make_chunk, start_checkpoint  # noqa: E402
+from train import BOS, EOS, EOT, MASK, init_worker, make_chunk, start_checkpoint  # noqa: E402
 
 from flash_dllm.config import PRESETS  # noqa: E402
 from flash_dllm.models import load_model, random_model, save_checkpoint  # noqa: E402
