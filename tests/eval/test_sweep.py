@@ -38,7 +38,8 @@ def test_sweep_writes_plot_table_and_points(mha_checkpoint, tmp_path):
     assert [r["label"] for r in rows] == [p.label for p in points] and any(r["pareto"] for r in rows)
     assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = (tmp_path / "sweep.md").read_text()
-    assert table.startswith("| method and knobs | # | accuracy % | tokens/s |") and "| dual-cache thr=0.9 | " in table
+    assert table.startswith("| method and knobs | # | accuracy % | 95% interval | tokens/s | tokens/step |")
+    assert "| dual-cache thr=0.9 | " in table
     assert json.loads((tmp_path / "sweep.json").read_text())[0]["num_items"] == 2
     assert len(list((tmp_path / "points").glob("*.summary.json"))) == 2
 

@@ -1,5 +1,6 @@
-"""A grid of decoding methods and knobs on one task: the accuracy / tokens-per-second trade-off as a Pareto
-plot (PNG) and a markdown table."""
+"""A grid of decoding methods and knobs on one task: accuracy against tokens per step (what a method decodes per
+forward, the same on any device) and against tokens per second (this device's), each point with its 95% interval,
+as a plot (PNG) and a markdown table; the Pareto front is by tokens per second."""
 from __future__ import annotations
 
 import itertools
@@ -62,7 +63,8 @@ def run_sweep(llm, task: str, points: list[SweepPoint], out_dir: str | Path, *, 
     if ctx.is_main:
         (out_dir / "sweep.json").write_text(json.dumps(rows, indent=2) + "\n")
         (out_dir / "sweep.md").write_text(sweep_table(rows))
-        plot(rows, out_dir / "sweep.png", title=f"{task}: accuracy vs throughput ({rows[0]['num_items']} items)")
+        plot(rows, out_dir / "sweep.png", title=f"{task}: accuracy vs parallelism and throughput "
+                                                f"({rows[0]['num_items']} items, 95% intervals)")
     return rows
 
 
@@ -76,8 +78,9 @@ def _by_speed(rows: list[dict]) -> list[dict]:
 
 
 def sweep_table(rows: list[dict]) -> str:
-    header = ("method and knobs", "#", "accuracy %", "tokens/s", "tokens/step", "NFE", "Pareto")
-    table = [(row["label"], number, f"{100 * row['accuracy']:.1f}", f"{row['tokens_per_s']:.1f}",
+    header = ("method and knobs", "#", "accuracy %", "95% interval", "tokens/s", "tokens/step", "NFE", "Pareto")
+    table = [(row["label"], number, f"{100 * row['accuracy']:.1f}",
+              "{:.1f}-{:.1f}".format(*(100 * bound for bound in row["accuracy_ci95"])), f"{row['tokens_per_s']:.1f}",
               f"{row['tokens_per_step']:.2f}", f"{row['nfe']:.1f}", "yes" if row["pareto"] else "")
              for number, row in enumerate(_by_speed(rows), 1)]
     return markdown_table(header, table) + "\n"
@@ -89,25 +92,31 @@ def plot(rows: list[dict], path: str | Path, title: str):
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5.5))
-    front = sorted((r for r in rows if r["pareto"]), key=lambda r: r["tokens_per_s"])
-    ax.plot([r["tokens_per_s"] for r in front], [100 * r["accuracy"] for r in front], "-", color="tab:red",
-            alpha=0.5, label="Pareto front", zorder=1)
+    fig, axes = plt.subplots(1, 2, figsize=(14, 5.5), sharey=True)
     methods = list(dict.fromkeys(r["label"].split()[0] for r in rows))
-    for color, method in zip(plt.get_cmap("tab10").colors, methods):
-        mine = [r for r in rows if r["label"].split()[0] == method]
-        ax.scatter([r["tokens_per_s"] for r in mine], [100 * r["accuracy"] for r in mine], color=color,
-                   label=method, zorder=2)
-    # Full labels overlap where points crowd; numbers point to the table (sweep.md), Pareto points get both.
-    for number, row in enumerate(_by_speed(rows), 1):
-        text = f"{number}: {row['label']}" if row["pareto"] else str(number)
-        ax.annotate(text, (row["tokens_per_s"], 100 * row["accuracy"]), textcoords="offset points",
-                    xytext=(4, 4), fontsize=7)
-    ax.set_xlabel("tokens/s")
-    ax.set_ylabel("accuracy %")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="best")
+    numbers = {id(row): number for number, row in enumerate(_by_speed(rows), 1)}
+    for ax, x, label in zip(axes, ("tokens_per_step", "tokens_per_s"), ("tokens per step", "tokens/s")):
+        if x == "tokens_per_s":
+            front = sorted((r for r in rows if r["pareto"]), key=lambda r: r[x])
+            ax.plot([r[x] for r in front], [100 * r["accuracy"] for r in front], "-", color="tab:red", alpha=0.5,
+                    label="Pareto front", zorder=1)
+        for color, method in zip(plt.get_cmap("tab10").colors, methods):
+            mine = [r for r in rows if r["label"].split()[0] == method]
+            accuracy = [100 * r["accuracy"] for r in mine]
+            error = [[a - 100 * r["accuracy_ci95"][0] for a, r in zip(accuracy, mine)],
+                     [100 * r["accuracy_ci95"][1] - a for a, r in zip(accuracy, mine)]]
+            ax.errorbar([r[x] for r in mine], accuracy, yerr=error, fmt="o", color=color, capsize=2,
+                        label=method, zorder=2)
+        # Full labels overlap where points crowd; numbers point to the table (sweep.md), Pareto points get both.
+        for row in rows:
+            text = f"{numbers[id(row)]}: {row['label']}" if row["pareto"] else str(numbers[id(row)])
+            ax.annotate(text, (row[x], 100 * row["accuracy"]), textcoords="offset points", xytext=(4, 4),
+                        fontsize=7)
+        ax.set_xlabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("accuracy %")
+    axes[1].legend(loc="best")
+    fig.suptitle(title)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=150)
