@@ -31,6 +31,13 @@ check|all)
   [ "${FP8:-1}" = 1 ] && gen llada2_fp8 70 random:llada2-mini --methods parallel edit --quantization fp8
   TAIL=20 step floors 15 bash -c "python benchmarks/moe_floor.py --gpu $GPU; \
       python benchmarks/moe_floor.py --gpu $GPU --quantization fp8 | tail -2" ;;&
+pack)  # the GQA-packed attention against a program per query head, by batch (LLaDA2-mini 16/4, Dream-7B 28/4)
+  step gpu_tests 240 python -m pytest -q -x -p no:cacheprovider tests/kernels/test_moe_experts.py \
+      tests/kernels/test_moe_router.py tests/kernels/test_flash_attention.py tests/decoding/test_block_diffusion.py
+  for model in llada2-mini dream-7b; do
+    FILTER="grep -E 'attention|kernel '" TAIL=20 step "pack_$model" 120 python -m flash_dllm.cli bench kernels \
+        --model "random:$model" --batch-sizes 1 4 8 16 32 --rows 32 --kv-length 1024 --gemm-rows 32
+  done ;;
 train|all)
   TAIL=8 step train $((${MINUTES:-4} * 60 + 60)) python training/train_llada2.py --out "$OUT/llada2/model" \
       --minutes "${MINUTES:-4}" --edit-noise 0.1 --eval 0

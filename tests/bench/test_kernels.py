@@ -6,8 +6,9 @@ import torch
 
 from flash_dllm.cli import main
 
-KERNELS = ["fused qkv+rope+cache write", "qkv_rope (the model's path)", "attention", "attention, per query head",
-           "attention + key mass", "verify pass", "rms_norm", "silu_mul"]  # llada-tiny: 2 query heads per KV head
+KERNELS = ["fused qkv+rope+cache write", "qkv_rope (the model's path)", "attention", "attention, packed",
+           "attention, per query head", "attention + key mass", "verify pass", "rms_norm",
+           "silu_mul"]  # llada-tiny: 2 query heads per KV head
 
 
 def test_bench_kernels_table(capsys):
@@ -16,13 +17,13 @@ def test_bench_kernels_table(capsys):
                  "--batch-sizes", "1", "2", "--rows", "8", "--kv-length", "24", "--warmup", "1", "--iters", "1"]) == 0
     rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
     assert [row[0].lstrip("| ") for row in rows] == KERNELS * 2
-    assert [row[1] for row in rows] == ["B=1 rows=8 kv=24"] * 8 + ["B=2 rows=8 kv=24"] * 8
+    assert [row[1] for row in rows] == ["B=1 rows=8 kv=24"] * 9 + ["B=2 rows=8 kv=24"] * 9
     assert all(float(row[-1].rstrip(" |")) < 1e-5 for row in rows)  # fp32; NaN would print inf
 
 
 def test_bench_kernels_on_a_mixture_of_experts(capsys):
     """The router and experts' table at each --gemm-rows (touched experts and their read floor), and the attention
-    a program per KV head (packed) beside a program per query head."""
+    (by default, `packs`) beside a program per KV head (packed) and a program per query head."""
     device = ["--device", "cuda"] if torch.cuda.is_available() else ["--device", "cpu", "--kernels", "on"]
     assert main(["bench", "kernels", "--model", "random:llada2-tiny", "--dtype", "float32", *device,
                  "--batch-sizes", "1", "--rows", "8", "--kv-length", "40", "--warmup", "1", "--iters", "1",
@@ -32,7 +33,7 @@ def test_bench_kernels_on_a_mixture_of_experts(capsys):
     assert [int(row[0].lstrip("| ")) for row in moe] == [4, 32]
     assert all(1 <= int(row[1]) <= 8 and float(row[-1].rstrip(" |")) < 1e-5 for row in moe)  # 8 experts
     attention = {row[0].lstrip("| "): float(row[-1].rstrip(" |")) for row in lines if row[0].startswith("| attention")}
-    assert attention.keys() == {"attention", "attention, per query head", "attention + key mass"}
+    assert attention.keys() == {"attention", "attention, packed", "attention, per query head", "attention + key mass"}
     assert all(err < 1e-5 for err in attention.values())
 
 

@@ -101,8 +101,8 @@ def bench_kernels(model, batch: int, rows: int, kv_length: int, warmup: int = 10
     sdpa = lambda: F.scaled_dot_product_attention(dense(q, rows), k_dense, v_dense)
     add("attention", lambda: flash_attention(q, k_cache, v_cache, metadata),
         lambda: ragged_attention_ref(q, k_cache, v_cache, metadata), "SDPA dense", sdpa)
-    if group > 1:  # the same launch a program per query head (each K/V tile read `group` times), for comparison
-        add("attention, per query head", lambda: flash_attention(q, k_cache, v_cache, metadata, pack_gqa=False),
+    for pack, name in ((True, "packed"), (False, "per query head")) if group > 1 else ():  # either launch (`packs`)
+        add(f"attention, {name}", lambda pack=pack: flash_attention(q, k_cache, v_cache, metadata, pack_gqa=pack),
             lambda: ragged_attention_ref(q, k_cache, v_cache, metadata), "SDPA dense", sdpa)
     masses = [torch.zeros(batch, kv_length, device=device) for _ in range(2)]
     with_mass = lambda fn, mass: lambda: fn(q, k_cache, v_cache, metadata, key_mass=mass.zero_())
