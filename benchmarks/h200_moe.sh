@@ -41,5 +41,5 @@ pack)  # the GQA-packed attention against a program per query head, by batch (LL
 train|all)
   TAIL=8 step train $((${MINUTES:-4} * 60 + 60)) python training/train_llada2.py --out "$OUT/llada2/model" \
       --minutes "${MINUTES:-4}" --edit-noise 0.1 --eval 0
-  TAIL=12 step evals 80 python benchmarks/block_diffusion_eval.py --model "$OUT/llada2/model" --items 100 ;;
+  TAIL=12 step evals 150 python benchmarks/block_diffusion_eval.py --model "$OUT/llada2/model" --items 100 ;;
 esac
