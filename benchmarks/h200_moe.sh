@@ -7,8 +7,10 @@
 #   sampler) and `edit` (Draft-and-Edit); the weight-read floors of the experts each step touches
 #   (benchmarks/moe_floor.py); `bench kernels` on LLaDA2-mini: the router and experts against their references and
 #   the touched experts' read floor at 32-4,096 rows, and the GQA-packed attention beside a program per query head.
-#   PART=check (tests, benches), train (training, evaluation) or all (default); MINUTES: the training's budget
-#   (default 4); FP8=0 skips the FP8 rows.
+#   PART=check (tests, benches), train (training, evaluation), pack (the GPU tests in full, and the GQA-packed
+#   attention against a program per query head at batch 1-32 on LLaDA2-mini and Dream-7B: kernels/flash_attention's
+#   `packs`) or all (check and train, the default); MINUTES: the training's budget (default 4); FP8=0 skips the FP8
+#   rows.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src
