@@ -18,9 +18,9 @@ from ..config import ModelConfig
 from ..kernels.attention import ragged_attention_ref
 from ..kernels.flash_attention import flash_attention
 from ..kernels.fp8 import Fp8Rows, add_dequantized, add_dequantized_ref, quantize_rows, quantize_rows_ref
+from ..kernels.fused_qkv_rope import fused_qkv_rope, fused_qkv_rope_ref, qkv_rope
 from ..kernels.moe_experts import moe_experts, moe_experts_fp8, moe_experts_fp8_ref, moe_experts_ref
 from ..kernels.moe_router import route_kernel
-from ..kernels.fused_qkv_rope import fused_qkv_rope, fused_qkv_rope_ref, qkv_rope
 from ..kernels.rms_norm import rms_norm, rms_norm_fp8, rms_norm_fp8_ref, rms_norm_ref
 from ..kernels.silu_mul import silu_mul, silu_mul_fp8, silu_mul_fp8_ref, silu_mul_ref
 from ..markdown import markdown_table

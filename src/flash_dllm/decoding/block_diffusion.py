@@ -268,12 +268,15 @@ class BlockFlashCache(LLaDA2Threshold):
                                decoded_at=torch.full((length,), -1, dtype=torch.long, device=device))
 
     def current_rows(self, batch: DecodeBatch, row) -> int:
-        settings, size = batch.params.settings, batch.params.block_length
-        return size if row.step_in_block == 0 else min(settings.mask_window + settings.tracking_budget, size)
+        return batch.params.block_length if row.step_in_block == 0 else self.budget_rows(batch.params)
+
+    @staticmethod
+    def budget_rows(params: SamplingParams) -> int:
+        """A block's later steps: its window's and tracking budget's rows, at most the block."""
+        return min(params.settings.mask_window + params.settings.tracking_budget, params.block_length)
 
     def steady_pass(self, params: SamplingParams, logit_shift: int) -> tuple[int, bool]:
-        settings = params.settings
-        return min(settings.mask_window + settings.tracking_budget, params.block_length), True
+        return self.budget_rows(params), True
 
     def block_queries(self, runner: ModelRunner, batch: DecodeBatch, block_columns: torch.Tensor,
                       plan: StepPlan) -> torch.Tensor:

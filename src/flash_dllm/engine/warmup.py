@@ -36,7 +36,7 @@ from tqdm import tqdm
 from ..cache.attention_metadata import AttentionMetadata, FlatRows, device_tensor
 from ..cache.kv_cache import KVCache
 from ..cache.routing import CHUNK, PromptRouting
-from ..kernels.flash_attention import PACK_MIN_PROGRAMS
+from ..kernels.flash_attention import packed_from
 from ..kernels.greedy_tokens import greedy_tokens
 from .counters import install_collection_hook, install_compile_hooks
 from .cuda_graphs import bucket
@@ -80,9 +80,9 @@ def compile_kernels(model, cache: KVCache, row_counts: tuple[int, ...] = ROW_COU
              and (part == "dense" or routed and not ordered)]  # routing is not batch-invariant: refused there
     if not parts:
         return
-    cfg = model.shard_config
-    if cache.k[0].is_cuda and cfg.num_heads > cfg.num_kv_heads:  # where compiles happen: also the packed launches
-        request_counts = (*request_counts, -(-PACK_MIN_PROGRAMS // cfg.num_kv_heads))
+    packed = packed_from(model.shard_config.num_heads, model.shard_config.num_kv_heads)
+    if cache.k[0].is_cuda and packed is not None:  # where compiles happen: also the packed launches
+        request_counts = (*request_counts, packed)
     passes = cached_passes(model, cache, row_counts, sorted(set(request_counts)), ordered, parts)
     with first_layer_only(model):
         if cache.k[0].is_cuda and os.environ.get("TRITON_INTERPRET") != "1":

@@ -117,9 +117,15 @@ SPLIT_MIN_KEYS, SPLIT_MIN_KEYS_WITH_MASS = 4096, 16384
 PACK_MIN_PROGRAMS = 64
 
 
+def packed_from(num_heads: int, num_kv_heads: int) -> int | None:
+    """The fewest requests whose launch flash_attention packs by default (pack_gqa=None); None: never (MHA)."""
+    return -(-PACK_MIN_PROGRAMS // num_kv_heads) if num_heads > num_kv_heads else None
+
+
 def packs(num_seqs: int, num_heads: int, num_kv_heads: int) -> bool:
     """Whether flash_attention packs a launch of num_seqs requests by default (pack_gqa=None)."""
-    return num_heads > num_kv_heads and num_seqs * num_kv_heads >= PACK_MIN_PROGRAMS
+    first = packed_from(num_heads, num_kv_heads)
+    return first is not None and num_seqs >= first
 MIN_SPLIT_TILES = 2  # a split covers at least this many key tiles
 MAX_SPLIT_KEYS = 3072
 # The merge reads every split's partials in one block: one variant for up to this many splits, not one per power

@@ -288,7 +288,7 @@ def random_model(spec: str, device: str | torch.device, dtype: torch.dtype, seed
                     else:
                         param[expert] = draw(param.shape[1:])
             elif isinstance(module, Fp8Linear) or name in getattr(module, "fp8_params", ()):
-                drawn = torch.empty(param.shape, dtype=dtype, device=device).normal_(0.0, std, generator=generator)
+                drawn = draw(param.shape)
                 if isinstance(module, Fp8Linear):
                     module.set_weight(drawn)
                 else:
@@ -306,6 +306,7 @@ def _draw_shards(model: DiffusionLM, whole: DiffusionLM, generator: torch.Genera
     fills: dict[str, list[tuple[str, slice | None]]] = {}  # whole parameter -> its checkpoint tensors
     for name, placement in whole.checkpoint_layout().items():
         fills.setdefault(placement.param, []).append((name, placement.rows))
+
     def place(drawn: torch.Tensor, fills_of_drawn):
         for name, rows in fills_of_drawn:
             tensor = drawn if rows is None else drawn[rows]
@@ -316,10 +317,12 @@ def _draw_shards(model: DiffusionLM, whole: DiffusionLM, generator: torch.Genera
         for kind, param in module.named_parameters(recurse=False):
             param_fills = fills[f"{module_name}.{kind}" if module_name else kind]
             if kind in getattr(module, "stacks", ()):  # an expert at a time, as random_model draws them
-                for expert in range(param.shape[0]):
+                by_expert = [[] for _ in range(param.shape[0])]
+                for name, rows in param_fills:
+                    by_expert[rows[0]].append((name, rows[1:]))
+                for expert_fills in by_expert:
                     drawn = torch.empty(param.shape[1:], dtype=param.dtype, device=device)
-                    place(drawn.normal_(0.0, std, generator=generator),
-                          [(name, rows[1:]) for name, rows in param_fills if rows[0] == expert])
+                    place(drawn.normal_(0.0, std, generator=generator), expert_fills)
                 continue
             drawn = torch.empty(param.shape, dtype=param.dtype, device=device)
             if kind == "bias":
