@@ -147,7 +147,7 @@ def main():
     parser.add_argument("--arith-share", type=float, default=0.5, help="fraction of arith among the items")
     parser.add_argument("--edit-noise", type=float, default=0.0,
                         help="probability that an unmasked answer token of the block is replaced by a random one")
-    parser.add_argument("--balance-rate", type=float, default=1e-3, help="expert_bias change per step (u)")
+    parser.add_argument("--balance-rate", type=float, default=1e-2, help="expert_bias change per step (u)")
     parser.add_argument("--eval", type=int, default=50, help="held-out items per task evaluated at the end (0: none)")
     parser.add_argument("--workers", type=int, default=12)
     parser.add_argument("--seed", type=int, default=0)

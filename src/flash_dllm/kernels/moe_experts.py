@@ -1,7 +1,7 @@
 """The routed experts of a mixture-of-experts layer (SwiGLU experts) as two grouped GEMMs (Triton), beside their
 PyTorch reference.
 
-The reference runs one expert at a time: launches per expert, and a host sync to find each expert's tokens. Here
+The reference runs one expert at a time: launches per expert, and a host sync to count each expert's pairs. Here
 the token-expert pairs are sorted by expert into BLOCK_M-row blocks (sort_by_expert, on the GPU, no host syncs)
 and one launch per projection runs every block against its expert's weights. At decode batch sizes a step's cost
 is reading the weights of the experts its tokens touch, and one launch reads each of them once per block of pairs
@@ -35,11 +35,20 @@ def moe_experts_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     [E, 2 I, d] (gate rows, then up rows), w_down [E, d, I] -> [N, d] in x's dtype: sum_j topk_weights[n, j] *
     down_e(silu(gate_e(x[n])) * up_e(x[n])), e = topk_ids[n, j] >= 0. Each expert in x's dtype; the weighted sum in
     fp32, rounded once."""
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for expert in range(w_gate_up.shape[0]):
-        token, choice = (topk_ids == expert).nonzero(as_tuple=True)
-        y = F.linear(silu_mul_ref(F.linear(x[token], w_gate_up[expert])), w_down[expert])
-        out.index_add_(0, token, y.float() * topk_weights[token, choice, None])
+    N, k = topk_ids.shape
+    flat_ids = topk_ids.flatten()
+    # The pairs sorted by expert (the -1s first, then dropped): each expert runs once on its contiguous rows, and one
+    # host sync reads the counts. index_select/index_copy, whose gradients are a scatter-add and a gather, keep this
+    # path fast under autograd too (training/train_llada2.py trains through it).
+    counts = torch.bincount(flat_ids + 1, minlength=w_gate_up.shape[0] + 1).tolist()
+    order = flat_ids.argsort(stable=True)[counts[0]:]
+    rows = x.index_select(0, order // k)
+    y = torch.cat([F.linear(silu_mul_ref(F.linear(part, w_gate_up[expert])), w_down[expert])
+                   for expert, part in enumerate(rows.split(counts[1:]))])
+    weighted = y.float() * topk_weights.flatten().index_select(0, order)[:, None]
+    # Each pair in its own slot, then a token's k slots summed in choice order: the same sums on every device.
+    slots = torch.zeros(N * k, x.shape[1], dtype=torch.float32, device=x.device).index_copy(0, order, weighted)
+    out = slots.view(N, k, -1).sum(dim=1)
     return out.to(x.dtype)
 
 

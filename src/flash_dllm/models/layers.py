@@ -291,7 +291,8 @@ class Attention(nn.Module):
 
 
 # A pass over more rows runs its MLP in row chunks: the [rows, 2 x intermediate] activation is a long pass's largest
-# buffer (LLaDA-8B's first pass at batch 32 x 768 rows: 1.2 GB, with 0.6 GB more for its SiLU product).
+# buffer (LLaDA-8B's first pass at batch 32 x 768 rows: 1.2 GB, with 0.6 GB more for its SiLU product). Not under
+# autograd, which keeps every chunk's activations anyway (training/train_llada2.py).
 MLP_CHUNK_ROWS = 8192
 
 
@@ -381,7 +382,7 @@ class DecoderLayer(nn.Module):
         its GEMMs' rounding could still follow the row count, which the embedded tasks' tokens on the H200 did not
         show)."""
         rows = x.reshape(-1, x.shape[-1])
-        if rows.shape[0] <= MLP_CHUNK_ROWS:
+        if rows.shape[0] <= MLP_CHUNK_ROWS or torch.is_grad_enabled():
             return x + self.mlp(self.mlp_norm(x, kernels, invariant), kernels, invariant)
         out = torch.empty_like(rows)
         for start in range(0, rows.shape[0], MLP_CHUNK_ROWS):
