@@ -10,7 +10,7 @@
 #   PART=check (tests, benches), train (training, evaluation), pack (the GPU tests in full, and the GQA-packed
 #   attention against a program per query head at batch 1-32 on LLaDA2-mini and Dream-7B: kernels/flash_attention's
 #   `packs`) or all (check and train, the default); MINUTES: the training's budget (default 4); FP8=0 skips the FP8
-#   rows.
+#   rows; INIT: a checkpoint the training starts from (a resumed run).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src
@@ -42,6 +42,6 @@ pack)  # the GQA-packed attention against a program per query head, by batch (LL
   done ;;
 train|all)
   TAIL=8 step train $((${MINUTES:-4} * 60 + 60)) python training/train_llada2.py --out "$OUT/llada2/model" \
-      --minutes "${MINUTES:-4}" --edit-noise 0.1 --eval 0
+      --minutes "${MINUTES:-4}" --edit-noise 0.1 --eval 0 ${INIT:+--init "$INIT"}
   TAIL=12 step evals 150 python benchmarks/block_diffusion_eval.py --model "$OUT/llada2/model" --items 100 ;;
 esac

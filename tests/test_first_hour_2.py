@@ -84,9 +84,16 @@ def test_embedded_model_on_a_foreign_task_warns_up_front(command, no_model, caps
     argv = [command, "--task", "gsm8k"] + (["--methods", "parallel"] if command == "sweep" else [])
     assert main(argv) == 2
     warning, error = capsys.readouterr().err.splitlines()  # the warning, then the load (refused here)
-    assert warning == ("flash-dllm: warning: the embedded model was trained only on arith, trace, passkey, multikey; "
+    assert warning == ("flash-dllm: warning: this embedded model was trained only on arith, trace, passkey, multikey; "
                        "gsm8k will score near 0: load a real checkpoint with --model")
     assert error == "flash-dllm: error: the model was loaded"
+
+
+def test_the_embedded_llada2_model_warns_of_its_own_tasks(no_model, capsys):
+    assert main(["eval", "--task", "passkey", "--model", "embedded:llada2"]) == 2
+    assert capsys.readouterr().err.splitlines()[0] == (
+        "flash-dllm: warning: this embedded model was trained only on arith, trace; passkey will score near 0: load a "
+        "real checkpoint with --model")
 
 
 @pytest.mark.parametrize("argv", [["eval", "--task", "arith"], ["eval", "--task", "gsm8k", "--model", "/models/x"]],
@@ -113,6 +120,8 @@ def test_demo_defaults_to_several_items_per_task():
     assert {task: len(items) for task, items in demo_items(args).items()} == {task: args.items for task in args.tasks}
     assert args.items > 1 and set(args.tasks) == {"arith", "trace", "passkey"}
     assert args.methods is None  # the rows the model admits: resolved once it loads
+    llada2 = build_parser().parse_args(["demo", "--model", "embedded:llada2"])
+    assert list(demo_items(llada2)) == ["arith", "trace"]  # the tasks that model was trained on
     assert "reference" in default_demo_methods() and "parallel" in default_demo_methods()
 
 

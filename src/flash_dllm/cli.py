@@ -14,7 +14,7 @@ from .engine.warmup import STEADY_BATCH_SIZES
 from .extras import MissingExtra, require_extra
 from .models.quantization import KV_CACHE_DTYPES, QUANTIZATIONS, kv_dtype_of
 from .sampling_params import DEFAULT_KV_BUDGET, SamplingParams, knobs
-from .tasks import CHOICE_TASKS, RETRIEVAL_TASKS, TASKS
+from .tasks import RETRIEVAL_TASKS, TASKS
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -69,8 +69,8 @@ SEED_HELP = "the sampling noise's seed, per request"
 def add_model_choice(parser: argparse.ArgumentParser, default_model: str | None = None):
     """--model, --device and --dtype: which model, where, in what."""
     parser.add_argument("--model", default=default_model,
-                        help=f"checkpoint directory, Hugging Face repo id, or random:PRESET (default: "
-                             f"{default_model or 'the embedded model'})")
+                        help=f"checkpoint directory, Hugging Face repo id, embedded:NAME (default, llada2) or "
+                             f"random:PRESET (default: {default_model or 'the embedded model'})")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     parser.add_argument("--dtype", default=None,
                         help="bfloat16, float16 or float32 (default: bf16 on GPU, fp32 on CPU)")
@@ -417,6 +417,7 @@ DEMO_ITEMS = 4  # held-out items per task: a k/n per method and task, the defaul
 # One token per forward pass like reference, at its compute (dream) or twice it (lossless, which trades compute for
 # fewer sequential passes): on a CPU, where passes are compute-bound, reference alone is the demo's baseline.
 DEMO_ON_REQUEST = ("lossless", "dream")
+DEMO_TASKS = ("arith", "trace", "passkey")
 DEMO_EXAMPLES = 2  # tasks whose first item the demo shows with the default method's whole answer
 
 
@@ -425,9 +426,12 @@ def default_demo_methods() -> list[str]:
 
 
 def demo_items(args) -> dict[str, list]:
-    """The first --items held-out items of each task (a retrieval task's: those of --prompt-length tokens)."""
+    """The first --items held-out items of each task (a retrieval task's: those of --prompt-length tokens). Without
+    --tasks, the tasks are those of DEMO_TASKS an embedded model was trained on (all of them for another model)."""
     from .tasks import load_test_set
 
+    if args.tasks is None:
+        args.tasks = [task for task in DEMO_TASKS if task in (embedded_tasks(args.model) or DEMO_TASKS)]
     items = {}
     for task in args.tasks:
         test_set = load_test_set(task)
@@ -525,15 +529,26 @@ def check_eval_args(args):
     get_benchmark(args.task).require()
 
 
-def warn_if_untrained(args):
-    """The embedded model knows only its own tasks: on any other it scores near 0, which the user should know
-    before the run, not after it."""
-    from .llm import default_model_path
+def embedded_tasks(model: str | None) -> tuple[str, ...] | None:
+    """The tasks an embedded model (`--model` unset, `embedded:NAME` or its directory) was trained on; None for any
+    other model."""
+    from .models.hub import EMBEDDED_PREFIX, EMBEDDED_TASKS, embedded_model_path, embedded_name
 
-    embedded = args.model is None or Path(args.model).resolve() == default_model_path().resolve()
-    trained = [task for task in TASKS if task not in CHOICE_TASKS]  # the choice tasks await its next training
-    if embedded and args.task not in trained:
-        print(f"flash-dllm: warning: the embedded model was trained only on {', '.join(trained)}; {args.task} will "
+    if model is None:
+        return EMBEDDED_TASKS["default"]
+    if model.startswith(EMBEDDED_PREFIX):
+        embedded_model_path(model[len(EMBEDDED_PREFIX):])  # a one-line error for an unknown name
+        return EMBEDDED_TASKS[model[len(EMBEDDED_PREFIX):]]
+    name = embedded_name(model) if Path(model).is_dir() else None
+    return None if name is None else EMBEDDED_TASKS[name]
+
+
+def warn_if_untrained(args):
+    """An embedded model knows only its own tasks: on any other it scores near 0, which the user should know
+    before the run, not after it."""
+    trained = embedded_tasks(args.model)
+    if trained is not None and args.task not in trained:
+        print(f"flash-dllm: warning: this embedded model was trained only on {', '.join(trained)}; {args.task} will "
               f"score near 0: load a real checkpoint with --model", file=sys.stderr)
 
 
@@ -776,8 +791,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="every decoding method on held-out items of the embedded tasks")
     add_model_args(demo)
     demo.add_argument("--items", type=at_least(1), default=DEMO_ITEMS, help="held-out items per task")
-    demo.add_argument("--tasks", nargs="+", default=["arith", "trace", "passkey"], choices=list(TASKS),
-                      help="the embedded model's tasks")
+    demo.add_argument("--tasks", nargs="+", choices=list(TASKS),
+                      help=f"the embedded models' tasks (default: {' '.join(DEMO_TASKS)}, those an embedded "
+                           f"model was trained on)")
     demo.add_argument("--methods", nargs="+", choices=list(demo_variants()),
                       help=f"methods and named variants (default: those the model's attention admits, but "
                            f"{', '.join(DEMO_ON_REQUEST)}: one token per forward pass, minutes on a CPU)")

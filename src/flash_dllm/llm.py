@@ -7,7 +7,6 @@ import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Callable, Sequence as SequenceType, Union
 
@@ -20,6 +19,7 @@ from .engine.sequence import Sequence
 from .engine.tensor_parallel import MirroredEngine, MirroredRunner, Workers
 from .engine.warmup import compiles_on_first_use, warm_up_requests, warm_up_routing
 from .models import config_from_dir, resolve_checkpoint
+from .models.hub import embedded_model_path
 from .models.loader import random_config
 from .models.parallel import TensorParallel, check_size
 from .models.quantization import check_options
@@ -33,8 +33,8 @@ logger = logging.getLogger("flash_dllm")
 
 
 def default_model_path() -> Path:
-    """The small model shipped inside the package."""
-    return Path(str(resources.files("flash_dllm") / "assets" / "default"))
+    """The small model shipped inside the package (`embedded:default`)."""
+    return embedded_model_path("default")
 
 
 @dataclass

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -101,6 +102,14 @@ def test_missing_local_path_is_named(tmp_path):
         assert one_line_error(spec) == f"model directory {str(spec)!r} does not exist"
     (tmp_path / "file").write_text("")
     assert one_line_error(tmp_path / "file") == f"model directory {str(tmp_path / 'file')!r} is not a directory"
+
+
+def test_embedded_models_by_name():
+    assert resolve_checkpoint("embedded:default") == default_model_path()
+    assert json.loads((resolve_checkpoint("embedded:llada2") / "config.json").read_text())["model_type"] == \
+        "llada2_moe"
+    assert one_line_error("embedded:llada3") == "embedded:llada3: no such embedded model; they are embedded:default, " \
+        "embedded:llada2"
 
 
 def test_hub_id_offline_and_not_cached(offline_cache):

@@ -1,9 +1,18 @@
-"""Model names to checkpoint directories: a local directory as it is; a Hugging Face hub repo id (`owner/name`)
-through huggingface_hub's cache, downloading only the files we load (once; HF_HUB_OFFLINE=1 reads the cache only)."""
+"""Model names to checkpoint directories: a local directory as it is; `embedded:NAME`, one of the small trained
+models in the package; a Hugging Face hub repo id (`owner/name`) through huggingface_hub's cache, downloading only
+the files we load (once; HF_HUB_OFFLINE=1 reads the cache only)."""
 from __future__ import annotations
 
 import re
+from importlib import resources
 from pathlib import Path
+
+EMBEDDED_PREFIX = "embedded:"
+# The package's trained models (training/README.md) and the embedded tasks each was trained on.
+EMBEDDED_TASKS = {
+    "default": ("arith", "trace", "passkey", "multikey"),  # LLaDA format (dense, bidirectional)
+    "llada2": ("arith", "trace"),  # LLaDA2.x format (MoE, block-causal), training/train_llada2.py
+}
 
 # What load_model and load_tokenizer read (transformers' tokenizer classes read the special tokens, added tokens
 # and chat template files); the repos' remote code and other weight formats stay on the hub.
@@ -21,10 +30,26 @@ def is_hub_id(spec: str) -> bool:
     return HUB_ID.fullmatch(spec) is not None
 
 
+def embedded_model_path(name: str) -> Path:
+    if name not in EMBEDDED_TASKS:
+        raise ValueError(f"{EMBEDDED_PREFIX}{name}: no such embedded model; they are "
+                         f"{', '.join(EMBEDDED_PREFIX + n for n in EMBEDDED_TASKS)}")
+    return Path(str(resources.files("flash_dllm") / "assets" / name))
+
+
+def embedded_name(path: str | Path) -> str | None:
+    """Which embedded model a checkpoint directory is, if any."""
+    resolved = Path(path).resolve()
+    return next((name for name in EMBEDDED_TASKS if embedded_model_path(name).resolve() == resolved), None)
+
+
 def resolve_checkpoint(spec: str | Path) -> Path:
-    """The checkpoint directory that `spec` names: an existing local directory wins; otherwise a hub repo id
-    resolves to its snapshot in the Hugging Face cache (HF_HUB_CACHE), downloaded there first if needed.
-    Raises a one-line ValueError for a missing directory or a repo that cannot be had."""
+    """The checkpoint directory that `spec` names: an existing local directory wins; `embedded:NAME` is that
+    embedded model's; otherwise a hub repo id resolves to its snapshot in the Hugging Face cache (HF_HUB_CACHE),
+    downloaded there first if needed. Raises a one-line ValueError for a missing directory or a repo that cannot be
+    had."""
+    if str(spec).startswith(EMBEDDED_PREFIX):
+        return embedded_model_path(str(spec)[len(EMBEDDED_PREFIX):])
     path = Path(spec)
     if path.is_dir():
         return path
