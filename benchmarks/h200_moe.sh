@@ -4,7 +4,8 @@
 #   graphs; the tiny LLaDA2 model's training (training/train_llada2.py, to $OUT/llada2/model) and its evaluation
 #   (benchmarks/block_diffusion_eval.py: parallel, edit and flash-cache at three settings);
 #   `bench generate` on random LLaDA2-mini weights (bf16, then FP8 weights) at batch 1 and 32, `parallel` (LLaDA2.0's
-#   sampler) and `edit` (Draft-and-Edit); the weight-read floors of the experts each step touches
+#   sampler) and `edit` (Draft-and-Edit), and on LLaDA-MoE weights (bidirectional: `parallel`, `flash-cache`); the
+#   weight-read floors of the experts each step touches
 #   (benchmarks/moe_floor.py); `bench kernels` on LLaDA2-mini: the router and experts against their references and
 #   the touched experts' read floor at 32-4,096 rows, and the GQA-packed attention beside a program per query head.
 #   PART=check (tests, benches), train (training, evaluation), pack (the GPU tests in full, and the GQA-packed
@@ -31,6 +32,8 @@ check|all)
       --model random:llada2-mini --quantization fp8 --batch-sizes 1 --rows 32 --gemm-rows 32 144 1024 4096 | head -8"
   gen llada2_bf16 80 random:llada2-mini --methods parallel edit
   [ "${FP8:-1}" = 1 ] && gen llada2_fp8 70 random:llada2-mini --methods parallel edit --quantization fp8
+  gen llada_moe_bf16 70 random:llada-moe --methods parallel flash-cache
+  [ "${FP8:-1}" = 1 ] && gen llada_moe_fp8 70 random:llada-moe --methods parallel flash-cache --quantization fp8
   TAIL=20 step floors 15 bash -c "python benchmarks/moe_floor.py --gpu $GPU; \
       python benchmarks/moe_floor.py --gpu $GPU --quantization fp8 | tail -2" ;;&
 pack)  # the GQA-packed attention against a program per query head, by batch (LLaDA2-mini 16/4, Dream-7B 28/4)
