@@ -12,9 +12,16 @@
 #   attention against a program per query head at batch 1-32 on LLaDA2-mini and Dream-7B: kernels/flash_attention's
 #   `packs`) or all (check and train, the default); MINUTES: the training's budget (default 4); FP8=0 skips the FP8
 #   rows; INIT: a checkpoint the training starts from (a resumed run).
+#   PART=serve (issue 56): `serve` on random LLaDA2-mini weights (parallel, 128 tokens, batches up to 64; SERVE_ARGS
+#   adds flags, e.g. "--quantization fp8"), then `bench serve` with 1, 16 and 64 clients (CLIENTS), 256-token random
+#   prompts, 40 s each (DURATION); the server's wheels (the GPU image has no FastAPI/uvicorn) from WHEELS=.whl.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export PYTHONPATH=$PWD/src
+if [ -n "${WHEELS:-}" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      "$WHEELS"/*.whl && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 source "$(dirname "$0")/lib.sh"
 GPU=$(python -c "import torch; print('H200' if 'H200' in torch.cuda.get_device_name() else 'H100')")
 gen() {  # gen NAME SECONDS MODEL [OPTIONS...]
@@ -43,6 +50,19 @@ pack)  # the GQA-packed attention against a program per query head, by batch (LL
     FILTER="grep -E 'attention|kernel '" TAIL=20 step "pack_$model" 120 python -m flash_dllm.cli bench kernels \
         --model "random:$model" --batch-sizes 1 4 8 16 32 --rows 32 --kv-length 1024 --gemm-rows 32
   done ;;
+serve)
+  python -m flash_dllm.cli serve --model random:llada2-mini --method parallel --max-tokens 128 --max-batch 64 \
+      --port 8123 ${SERVE_ARGS:-} > "$OUT/server.txt" 2>&1 &
+  pid=$!
+  if wait_ready $pid "$OUT/server.txt" 300; then
+    echo "## server ready after ${READY_S} s"
+    for clients in ${CLIENTS:-1 16 64}; do
+      TAIL=4 step "serve_$clients" $((${DURATION:-40} + 90)) python -m flash_dllm.cli bench serve \
+          --url http://127.0.0.1:8123 --clients "$clients" --duration "${DURATION:-40}" --prompts random \
+          --num-prompts 64 --prompt-length 256
+    done
+  fi
+  kill -INT $pid 2> /dev/null; wait $pid 2> /dev/null ;;
 train|all)
   TAIL=8 step train $((${MINUTES:-4} * 60 + 60)) python training/train_llada2.py --out "$OUT/llada2/model" \
       --minutes "${MINUTES:-4}" --edit-noise 0.1 --eval 0 ${INIT:+--init "$INIT"}
