@@ -532,15 +532,9 @@ def check_eval_args(args):
 def embedded_tasks(model: str | None) -> tuple[str, ...] | None:
     """The tasks an embedded model (`--model` unset, `embedded:NAME` or its directory) was trained on; None for any
     other model."""
-    from .models.hub import EMBEDDED_PREFIX, EMBEDDED_TASKS, embedded_model_path, embedded_name
+    from .models.hub import EMBEDDED_TASKS, embedded_name
 
-    if model is None:
-        return EMBEDDED_TASKS["default"]
-    if model.startswith(EMBEDDED_PREFIX):
-        embedded_model_path(model[len(EMBEDDED_PREFIX):])  # a one-line error for an unknown name
-        return EMBEDDED_TASKS[model[len(EMBEDDED_PREFIX):]]
-    name = embedded_name(model) if Path(model).is_dir() else None
-    return None if name is None else EMBEDDED_TASKS[name]
+    return EMBEDDED_TASKS.get("default" if model is None else embedded_name(model))
 
 
 def warn_if_untrained(args):

@@ -111,6 +111,12 @@ def launch_config(max_q: int, verify: bool = False, num_seqs: int = 1, fp32: boo
 # (H200, 144 rows over 32k keys with the key mass: 3 splits 0.90 ms, 6 0.72, 12 0.63).
 TARGET_PROGRAMS = 264
 SPLIT_MIN_KEYS, SPLIT_MIN_KEYS_WITH_MASS = 4096, 16384
+MIN_SPLIT_TILES = 2  # a split covers at least this many key tiles
+MAX_SPLIT_KEYS = 3072
+# The merge reads every split's partials in one block: one variant for up to this many splits, not one per power
+# of two (each met first on a request's path: a compile there).
+MERGE_BLOCK_S = 16
+
 # GQA packing divides the programs by the group: it pays once the packed launch still has this many (requests x KV
 # heads). H100, LLaDA2-mini (16/4 heads), 32 rows over 1,024 keys: batch 1 packed 0.147 ms against 0.098 a program
 # per query head (4 programs against 16); batch 32 packed 0.194 against 0.222.
@@ -126,11 +132,6 @@ def packs(num_seqs: int, num_heads: int, num_kv_heads: int) -> bool:
     """Whether flash_attention packs a launch of num_seqs requests by default (pack_gqa=None)."""
     first = packed_from(num_heads, num_kv_heads)
     return first is not None and num_seqs >= first
-MIN_SPLIT_TILES = 2  # a split covers at least this many key tiles
-MAX_SPLIT_KEYS = 3072
-# The merge reads every split's partials in one block: one variant for up to this many splits, not one per power
-# of two (each met first on a request's path: a compile there).
-MERGE_BLOCK_S = 16
 
 
 def num_splits(programs: int, max_kv: int, block_n: int, key_mass: bool = False) -> int:

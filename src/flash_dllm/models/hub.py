@@ -37,9 +37,14 @@ def embedded_model_path(name: str) -> Path:
     return Path(str(resources.files("flash_dllm") / "assets" / name))
 
 
-def embedded_name(path: str | Path) -> str | None:
-    """Which embedded model a checkpoint directory is, if any."""
-    resolved = Path(path).resolve()
+def embedded_name(spec: str | Path) -> str | None:
+    """Which embedded model a model spec names (`embedded:NAME`, an unknown name a one-line error) or a checkpoint
+    directory is, if any."""
+    if str(spec).startswith(EMBEDDED_PREFIX):
+        name = str(spec)[len(EMBEDDED_PREFIX):]
+        embedded_model_path(name)
+        return name
+    resolved = Path(spec).resolve()
     return next((name for name in EMBEDDED_TASKS if embedded_model_path(name).resolve() == resolved), None)
 
 
