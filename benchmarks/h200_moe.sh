@@ -24,6 +24,8 @@ fi
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 source "$(dirname "$0")/lib.sh"
 GPU=$(python -c "import torch; print('H200' if 'H200' in torch.cuda.get_device_name() else 'H100')")
+GPU_TESTS="tests/kernels/test_moe_experts.py tests/kernels/test_moe_router.py tests/kernels/test_flash_attention.py
+    tests/decoding/test_block_diffusion.py"
 gen() {  # gen NAME SECONDS MODEL [OPTIONS...]
   local name=$1 limit=$2 model=$3; shift 3
   TAIL=6 step "$name" "$limit" python -m flash_dllm.cli bench generate --model "$model" --batch-sizes 1 32 \
@@ -31,8 +33,7 @@ gen() {  # gen NAME SECONDS MODEL [OPTIONS...]
 }
 case "${PART:-all}" in
 check|all)
-  step gpu_tests 90 python -m pytest -q -p no:cacheprovider tests/kernels/test_moe_experts.py \
-      tests/kernels/test_moe_router.py tests/kernels/test_flash_attention.py tests/decoding/test_block_diffusion.py
+  step gpu_tests 90 python -m pytest -q -p no:cacheprovider $GPU_TESTS
   TAIL=30 step kernels 90 python -m flash_dllm.cli bench kernels --model random:llada2-mini --batch-sizes 1 32 \
       --rows 32 --kv-length 1024 --gemm-rows 32 144 1024 4096
   [ "${FP8:-1}" = 1 ] && TAIL=8 step kernels_fp8 90 bash -c "python -m flash_dllm.cli bench kernels \
@@ -44,8 +45,7 @@ check|all)
   TAIL=20 step floors 15 bash -c "python benchmarks/moe_floor.py --gpu $GPU; \
       python benchmarks/moe_floor.py --gpu $GPU --quantization fp8 | tail -2" ;;&
 pack)  # the GQA-packed attention against a program per query head, by batch (LLaDA2-mini 16/4, Dream-7B 28/4)
-  step gpu_tests 240 python -m pytest -q -x -p no:cacheprovider tests/kernels/test_moe_experts.py \
-      tests/kernels/test_moe_router.py tests/kernels/test_flash_attention.py tests/decoding/test_block_diffusion.py
+  step gpu_tests 240 python -m pytest -q -x -p no:cacheprovider $GPU_TESTS
   for model in llada2-mini dream-7b; do
     FILTER="grep -E 'attention|kernel '" TAIL=20 step "pack_$model" 120 python -m flash_dllm.cli bench kernels \
         --model "random:$model" --batch-sizes 1 4 8 16 32 --rows 32 --kv-length 1024 --gemm-rows 32
